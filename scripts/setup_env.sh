@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment in .venv and print its python path.
+#
+# - If the Python we start from already has torch (a GPU box with its own build), the venv sees
+#   it through --system-site-packages and every install is constrained to that exact version,
+#   so nothing replaces it.
+# - Otherwise, with an NVIDIA GPU visible, torch==$TORCH_VERSION comes from PyPI (CUDA build);
+#   without one, the CPU build (+cpu) is installed and CUDA packages are never pulled.
+# - Re-running is cheap: a stamp keyed on pyproject.toml and this script skips the work.
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${TORCHTITAN_VENV:-$root/.venv}"
+python="${PYTHON:-python3}"
+torch_version="${TORCH_VERSION:-2.13.0}"
+stamp="$venv/.torchtitan-setup"
+key="$(cat "$root/pyproject.toml" "$root/scripts/setup_env.sh" | sha256sum | cut -c1-16)"
+
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$key" && -x "$venv/bin/python" ]]; then
+    echo "$venv/bin/python"
+    exit 0
+fi
+
+log() { echo "[setup_env] $*" >&2; }
+command -v "$python" >/dev/null || { log "error: '$python' not found; set PYTHON=/path/to/python3.11"; exit 1; }
+
+constraints="$(mktemp)"
+trap 'rm -f "$constraints"' EXIT
+
+if existing="$("$python" -c 'import torch; print(torch.__version__)' 2>/dev/null)"; then
+    log "using the torch already installed for $python: $existing (it will not be replaced)"
+    [[ -d "$venv" ]] || "$python" -m venv --system-site-packages "$venv"
+else
+    [[ -d "$venv" ]] || "$python" -m venv "$venv"
+    if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+        if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+            log "NVIDIA GPU found: installing torch==$torch_version (CUDA build)"
+            "$venv/bin/pip" install -q "torch==$torch_version" >&2
+        else
+            log "no NVIDIA GPU: installing the CPU build torch==$torch_version+cpu"
+            "$venv/bin/pip" install -q "torch==$torch_version+cpu" >&2 2>/dev/null ||
+                "$venv/bin/pip" install -q "torch==$torch_version+cpu" \
+                    --extra-index-url https://download.pytorch.org/whl/cpu >&2
+        fi
+    fi
+    existing="$("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
+fi
+echo "torch==$existing" >"$constraints"
+
+log "installing torchtitan and its dependencies (constrained to torch==$existing)"
+"$venv/bin/pip" install -q -c "$constraints" -e "$root[dev]" >&2
+echo "$key" >"$stamp"
+echo "$venv/bin/python"

@@ -1,0 +1,367 @@
+"""Text datasets -> packed token windows -> a stateful, data-parallel-aware dataloader.
+
+Flow: :func:`load_text_dataset` opens a streaming Hugging Face ``IterableDataset`` (a registered
+name, a local file/directory, or a hub id); :class:`PackedTokenDataset` keeps this data-parallel
+rank's share of the documents, tokenizes each one as ``BOS text EOS``, concatenates them and cuts
+the stream into windows of ``seq_len + 1`` tokens, yielding ``(window[:-1], window[1:])``;
+:class:`ParallelAwareDataloader` batches the windows and checkpoints the exact data position of
+its rank. Nothing here touches the network unless a hub dataset is requested.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import pickle
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import IterableDataset as HFIterableDataset
+from datasets import load_dataset
+from datasets.distributed import split_dataset_by_node
+from torch.utils.data import IterableDataset
+from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
+
+from torchtitan.components.tokenizer import Tokenizer, resolve_repo_path
+
+__all__ = [
+    "DATASETS",
+    "DatasetSpec",
+    "PackedTokenDataset",
+    "ParallelAwareDataloader",
+    "build_dataloader",
+    "load_text_dataset",
+]
+
+logger = logging.getLogger(__name__)
+
+# File name endings -> `datasets` packaged builder (compressed json/txt are read transparently).
+_BUILDERS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".jsonl.gz": "json",
+    ".json.gz": "json",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".txt.gz": "text",
+}
+# File/folder names that mark a split (matched as whole words in the path relative to the root).
+_SPLIT_ALIASES = {
+    "train": ("train",),
+    "validation": ("validation", "valid", "val", "dev", "eval"),
+    "test": ("test",),
+}
+
+
+def _builder_for(path: Path) -> str | None:
+    name = path.name.lower()
+    return next((b for ext, b in _BUILDERS.items() if name.endswith(ext)), None)
+
+
+def _mentions(rel_path: str, names: tuple[str, ...]) -> bool:
+    return any(re.search(rf"(?<![a-z]){n}(?![a-z])", rel_path.lower()) for n in names)
+
+
+def _load_local(path: str, split: str) -> HFIterableDataset:
+    """A file, or a directory of .json/.jsonl/.parquet/.txt files, as a streaming dataset.
+
+    In a directory, the files whose relative path names the split (``train.jsonl``,
+    ``validation/part-0.parquet``, ``c4-validation.00000.json.gz``) are used; a directory whose
+    files name no split at all is the ``train`` split. ``.txt`` files give one example per
+    paragraph (blank-line separated)."""
+    root = resolve_repo_path(path)
+    if not root.exists():
+        raise ValueError(
+            f"training.dataset_path={path!r} does not exist (looked in the working directory "
+            f"and the repository root); give a file or a directory of "
+            f"{'/'.join(sorted(set(_BUILDERS)))} files"
+        )
+    if root.is_file():
+        files = [root]
+    else:
+        candidates = sorted(p for p in root.rglob("*") if p.is_file() and _builder_for(p))
+        rel = {p: p.relative_to(root).as_posix() for p in candidates}
+        files = [p for p in candidates if _mentions(rel[p], _SPLIT_ALIASES.get(split, (split,)))]
+        all_aliases = tuple(a for names in _SPLIT_ALIASES.values() for a in names)
+        if not files and split == "train":
+            files = [p for p in candidates if not _mentions(rel[p], all_aliases)]
+        if not files:
+            raise ValueError(
+                f"training.dataset_path={path!r}: no data files for split {split!r} in {root} "
+                f"(found {len(candidates)} data files; name them after the split, e.g. "
+                f"{split}.jsonl or {split}/part-0.parquet)"
+            )
+    builders = {_builder_for(p) for p in files}
+    if None in builders or len(builders) != 1:
+        raise ValueError(
+            f"training.dataset_path={path!r}: need files of one kind among "
+            f"{sorted(set(_BUILDERS))}, got {[p.name for p in files[:5]]}"
+        )
+    builder = builders.pop()
+    assert builder is not None
+    kwargs: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
+    return load_dataset(
+        builder, data_files={split: [str(p) for p in files]}, split=split, streaming=True, **kwargs
+    )
+
+
+def _load_hub(path: str, split: str, config_name: str | None = None) -> HFIterableDataset:
+    """A Hugging Face hub dataset (or a local clone of one), streamed."""
+    local = resolve_repo_path(path)
+    if local.exists():
+        path = str(local)
+    try:
+        return load_dataset(path, name=config_name, split=split, streaming=True)
+    except Exception as e:
+        raise ValueError(
+            f"training.dataset={path!r}: could not open it as a Hugging Face dataset "
+            f"(split {split!r}): {type(e).__name__}: {e}. Registered names: {sorted(DATASETS)}; "
+            f"for local data set training.dataset_path to a file or directory. Offline runs "
+            f"(HF_DATASETS_OFFLINE=1) can only use local data or the local cache."
+        ) from e
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A named dataset: how to open it and where it lives unless ``dataset_path`` says else."""
+
+    loader: Callable[[str, str], HFIterableDataset]  # (path, split) -> streaming dataset
+    default_path: str
+    text_column: str = "text"
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "test_corpus": DatasetSpec(_load_local, "tests/assets/test_corpus"),
+    "c4": DatasetSpec(lambda p, s: _load_hub(p, s, config_name="en"), "allenai/c4"),
+}
+
+
+def load_text_dataset(
+    dataset: str, dataset_path: str | None = None, split: str = "train"
+) -> tuple[HFIterableDataset, str]:
+    """The streaming dataset for ``training.dataset`` / ``training.dataset_path`` and its text
+    column. A registered name uses its loader (``dataset_path`` overrides its default
+    location); otherwise ``dataset_path`` (or ``dataset`` itself, when it is an existing local
+    path) is read as local files; any other name is a hub dataset id."""
+    if dataset in DATASETS:
+        spec = DATASETS[dataset]
+        return spec.loader(dataset_path or spec.default_path, split), spec.text_column
+    if dataset_path:
+        return _load_local(dataset_path, split), "text"
+    if resolve_repo_path(dataset).exists():
+        return _load_local(dataset, split), "text"
+    if dataset.startswith((".", "/", "~")) or _builder_for(Path(dataset)):
+        raise ValueError(
+            f"training.dataset={dataset!r} looks like a local path but does not exist; "
+            f"registered datasets: {sorted(DATASETS)}"
+        )
+    return _load_hub(dataset, split), "text"
+
+
+class PackedTokenDataset(IterableDataset, Stateful):
+    """Tokenized, packed ``(inputs, labels)`` windows from this data-parallel rank's documents.
+
+    Each document becomes ``[BOS, *tokens, EOS]``; documents are concatenated and cut into
+    non-overlapping windows of ``seq_len + 1`` tokens; a window ``w`` yields ``(w[:-1], w[1:])``
+    as int64 tensors of length ``seq_len``. With ``infinite=True`` the data is repeated epoch
+    after epoch, in the same order each time (the token buffer carries over, so no tokens are
+    dropped at an epoch boundary); with ``infinite=False`` one pass is made and a final partial
+    window is dropped. Each new ``iter()`` starts from the beginning unless a state was loaded.
+
+    Resume is exact: the state is the Hugging Face dataset's own position, the leftover tokens
+    and the epoch, so a restored dataset yields exactly the windows the original would have.
+    """
+
+    def __init__(
+        self,
+        hf_dataset: HFIterableDataset,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        dp_rank: int = 0,
+        dp_world_size: int = 1,
+        infinite: bool = True,
+        text_column: str = "text",
+        name: str = "dataset",
+    ) -> None:
+        if seq_len < 1:
+            raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
+        self.name, self.seq_len, self.infinite = name, seq_len, infinite
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self.text_column = text_column
+        self._tokenizer = tokenizer
+        self._data = split_dataset_by_node(hf_dataset, rank=dp_rank, world_size=dp_world_size)
+        self._fresh_hf_state = self._data.state_dict()  # position 0 of epoch 0
+        self._buffer: list[int] = []
+        self._epoch = 0
+        self._pending: dict[str, Any] | None = None  # loaded, applied when iteration starts
+
+    def _documents(self) -> Iterator[str]:
+        for example in self._data:
+            if self.text_column not in example:
+                raise ValueError(
+                    f"dataset {self.name!r} has no {self.text_column!r} column "
+                    f"(columns: {sorted(example)})"
+                )
+            yield example[self.text_column]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            self._epoch, self._buffer = state["epoch"], list(state["buffer"])
+            hf_state = state["hf"]
+        else:  # a new iteration starts from the beginning
+            self._epoch, self._buffer, hf_state = 0, [], self._fresh_hf_state
+        # Epochs are counted here, not with the HF dataset's `set_epoch`: its epoch lives in
+        # shared memory across DataLoader workers (meant to be set from the main process), so
+        # workers moving to their next epoch at different times would race on it and make the
+        # data order nondeterministic. The HF epoch stays 0 and every pass starts by loading a
+        # position: HF re-applies a loaded state to every later pass with the same epoch
+        # number, so the fresh (start) position is loaded explicitly when not resuming.
+        self._data.load_state_dict(hf_state)
+        window = self.seq_len + 1
+        first_pass = True
+        while True:
+            n_docs = 0
+            for text in self._documents():
+                n_docs += 1
+                self._buffer.extend(self._tokenizer.encode(text, bos=True, eos=True))
+                while len(self._buffer) >= window:
+                    chunk, self._buffer = self._buffer[:window], self._buffer[window:]
+                    tokens = torch.tensor(chunk, dtype=torch.int64)
+                    yield tokens[:-1], tokens[1:]
+            if not self.infinite:
+                return
+            if n_docs == 0 and not first_pass:  # (a resumed pass may start at its very end)
+                worker = torch.utils.data.get_worker_info()
+                logger.warning(
+                    "dataset %r: dp rank %d%s got no documents in epoch %d and stops. Either "
+                    "its data is empty, or there are more dataloader workers than data files "
+                    "per rank (%d files after data-parallel sharding): `datasets` gives each "
+                    "worker whole files.",
+                    self.name,
+                    self.dp_rank,
+                    f" worker {worker.id}" if worker is not None else "",
+                    self._epoch,
+                    self._data.num_shards,
+                )
+                return
+            first_pass = False
+            self._epoch += 1
+            self._data.load_state_dict(self._fresh_hf_state)
+            logger.info(
+                "dataset %r: dp rank %d finished a pass over its data; starting epoch %d",
+                self.name,
+                self.dp_rank,
+                self._epoch,
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._pending is not None:
+            return copy.deepcopy(self._pending)
+        return {"hf": self._data.state_dict(), "buffer": list(self._buffer), "epoch": self._epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = {"hf", "buffer", "epoch"} - set(state_dict)
+        if missing:
+            raise ValueError(f"dataset {self.name!r}: state is missing {sorted(missing)}")
+        self._pending = copy.deepcopy(state_dict)
+
+
+class ParallelAwareDataloader(StatefulDataLoader):
+    """A ``StatefulDataLoader`` whose checkpoint state names its data-parallel rank.
+
+    ``state_dict()`` returns ``{"dp_rank_<r>": <pickled loader state>, "dp_world_size": W}``.
+    Each rank has its own key, so the states of all ranks can live side by side in one
+    checkpoint; the loader state is pickled to ``bytes`` so a checkpointer such as DCP stores it
+    as one opaque object whatever its nested structure. Loading a state saved with another
+    data-parallel world size raises ``ValueError`` (the data position cannot be resharded yet);
+    loading a state without this rank's key warns and starts from the beginning.
+    """
+
+    def __init__(
+        self,
+        dataset: IterableDataset,
+        dp_rank: int,
+        dp_world_size: int,
+        batch_size: int,
+        num_workers: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        if not 0 <= dp_rank < dp_world_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_world_size}), got {dp_rank}")
+        if batch_size < 1:
+            raise ValueError(f"training.local_batch_size must be >= 1, got {batch_size}")
+        self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
+        self._rank_key = f"dp_rank_{dp_rank}"
+        super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            self._rank_key: pickle.dumps(super().state_dict()),
+            "dp_world_size": self.dp_world_size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            warnings.warn(
+                f"dataloader: empty state for {self._rank_key}; starting from the beginning",
+                stacklevel=2,
+            )
+            return
+        saved_world = state_dict.get("dp_world_size")
+        if saved_world is not None and int(saved_world) != self.dp_world_size:
+            raise ValueError(
+                f"dataloader: the checkpoint was saved with a data-parallel world size of "
+                f"{saved_world}, this run has {self.dp_world_size}. Resuming the data position "
+                f"with a different data-parallel size is not supported yet: keep the same "
+                f"data_parallel_replicate_degree x data_parallel_shard_degree, or start the "
+                f"data from scratch (load the checkpoint without its dataloader state)."
+            )
+        if self._rank_key not in state_dict:
+            warnings.warn(
+                f"dataloader: the checkpoint has no state for {self._rank_key} (keys: "
+                f"{sorted(state_dict)}); this rank's data starts from the beginning",
+                stacklevel=2,
+            )
+            return
+        inner = state_dict[self._rank_key]
+        if isinstance(inner, (bytes, bytearray)):
+            inner = pickle.loads(inner)
+        super().load_state_dict(inner)
+
+
+def build_dataloader(
+    dataset: str,
+    dataset_path: str | None,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_world_size: int,
+    split: str = "train",
+    infinite: bool = True,
+    num_workers: int = 0,
+) -> ParallelAwareDataloader:
+    """A dataloader of ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]``
+    over this data-parallel rank's share of ``dataset`` (see :func:`load_text_dataset`)."""
+    if not 0 <= dp_rank < dp_world_size:
+        raise ValueError(f"dp_rank must be in [0, {dp_world_size}), got {dp_rank}")
+    hf_dataset, text_column = load_text_dataset(dataset, dataset_path, split)
+    packed = PackedTokenDataset(
+        hf_dataset,
+        tokenizer,
+        seq_len,
+        dp_rank=dp_rank,
+        dp_world_size=dp_world_size,
+        infinite=infinite,
+        text_column=text_column,
+        name=dataset,
+    )
+    return ParallelAwareDataloader(
+        packed, dp_rank, dp_world_size, batch_size=local_batch_size, num_workers=num_workers
+    )

@@ -1,0 +1,41 @@
+"""``python -m torchtitan.config --job.config_file F [overrides]``.
+
+Prints the resolved config as TOML and exits 0, or prints the error and exits 2.
+``--world_size N`` validates for N ranks (default: $WORLD_SIZE or 1); ``--help`` lists every field.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import help_text, parse_args, to_toml
+from torchtitan.config.validate import validate_config, world_size_from_env
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    world_size = world_size_from_env()
+    if "--world_size" in argv:
+        i = argv.index("--world_size")
+        try:
+            world_size = int(argv[i + 1])
+        except (IndexError, ValueError):
+            print("error: --world_size needs an integer", file=sys.stderr)
+            return 2
+        del argv[i : i + 2]
+    try:
+        cfg = parse_args(argv, validate=False)
+        validate_config(cfg, world_size=world_size)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(to_toml(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""The one error type for bad configuration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config field has a value that breaks a rule; the message names the field, value, rule and fix."""
+
+    def __init__(self, field: str, value: Any, rule: str, fix: str) -> None:
+        self.field, self.value, self.rule, self.fix = field, value, rule, fix
+        shown = "" if value is None else f" = {value!r}"
+        super().__init__(f"{field}{shown}: {rule}. Fix: {fix}.")

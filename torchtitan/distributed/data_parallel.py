@@ -1,0 +1,57 @@
+"""Data parallelism: FSDP2 / HSDP through ``fully_shard`` and DDP through FSDP2's ``replicate``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def reshard_policy(policy: Literal["default", "always", "never"], pp_enabled: bool) -> bool:
+    """Resolve ``fsdp_reshard_after_forward``.
+
+    default: reshard after forward (least memory), except under pipeline parallel where each
+    stage runs several microbatches back to back and re-gathering per microbatch would multiply
+    the all-gathers.
+    """
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    return not pp_enabled
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
+) -> None:
+    """Shard ``model`` with FSDP2: one unit per transformer block, plus the root.
+
+    ``dp_mesh`` is 1-D (FSDP over dp_shard x cp) or 2-D (HSDP: replicate x shard). The root unit
+    holds the embedding, final norm and output; it is not resharded after forward because its
+    parameters are used again right at the start of backward.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    layers = getattr(model, "layers", None)
+    if layers is not None:
+        for block in layers.values():
+            fully_shard(
+                block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward
+            )
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+def apply_ddp(
+    model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> None:
+    """Replicate ``model`` over ``dp_mesh`` (all-reduce of gradients), FSDP2's replicate API."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    replicate(model, mesh=dp_mesh, mp_policy=mp)

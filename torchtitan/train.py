@@ -1,0 +1,35 @@
+"""Entry point: ``python -m torchtitan.train --job.config_file F [--section.field value ...]``."""
+
+from __future__ import annotations
+
+import sys
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import help_text, parse_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    try:
+        cfg = parse_args(argv)  # validation happens here, before any process group
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    from torchtitan.distributed.utils import destroy_distributed
+    from torchtitan.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
