@@ -73,6 +73,7 @@ class Trainer:
             local_batch_size=t.local_batch_size,
             dp_rank=dp_mesh.get_local_rank(),
             dp_world_size=dp_mesh.size(),
+            sharding=t.data_sharding,
         )
         global_batch = (
             t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_degree

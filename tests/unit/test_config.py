@@ -33,8 +33,14 @@ def test_defaults_and_toml_and_cli_precedence(tmp_path: Path) -> None:
 def test_bools_lists_nested_and_negation() -> None:
     cfg = parse("--compile.enable", "--quantize.dense.float8.enable", "--metrics.enable_wandb=true")
     assert cfg.compile.enable and cfg.quantize.dense.float8.enable and cfg.metrics.enable_wandb
-    cfg = parse("--metrics.enable_jsonl", "false", "--no-compile.enable")
-    assert not cfg.metrics.enable_jsonl and not cfg.compile.enable
+    cfg = parse(
+        "--metrics.enable_jsonl", "false", "--no-compile.enable", "--metrics.no-enable-tensorboard"
+    )
+    assert (
+        not cfg.metrics.enable_jsonl
+        and not cfg.compile.enable
+        and not cfg.metrics.enable_tensorboard
+    )
     cfg = parse("--parallelism.pipeline_parallel_split_points", "layers.2,layers.4")
     assert cfg.parallelism.pipeline_parallel_split_points == ["layers.2", "layers.4"]
     cfg = parse("--quantize.dense.float8.filter_fqns=output,wq")

@@ -95,13 +95,53 @@ def test_dp_sharding_disjoint_and_complete(layout: str, tok: Tokenizer, request)
     path = request.getfixturevalue(layout)
     seen = []
     for rank in range(4):
-        wins = windows(make(path, tok, seq_len=8, dp_rank=rank, dp_world_size=4, infinite=False))
+        loader = make(
+            path, tok, seq_len=8, dp_rank=rank, dp_world_size=4, infinite=False, sharding="document"
+        )
+        wins = windows(loader)
         seen.append(set(doc_ids(tok, wins)))
         assert seen[-1], f"rank {rank} got no documents"
     for a in range(4):
         for b in range(a + 1, 4):
             assert not seen[a] & seen[b], f"ranks {a} and {b} share documents"
     assert set().union(*seen) == set(range(40))
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_window_sharding_gives_every_dp_degree_the_same_data(
+    one_file: Path, tok: Tokenizer, dp: int
+) -> None:
+    single = windows(make(one_file, tok, seq_len=8, infinite=False))
+    per_rank = [
+        windows(make(one_file, tok, seq_len=8, dp_rank=r, dp_world_size=dp, infinite=False))
+        for r in range(dp)
+    ]
+    rounds = len(single) // dp
+    assert rounds > 10
+    for r in range(dp):
+        assert len(per_rank[r]) >= rounds
+        for j in range(rounds):
+            assert torch.equal(per_rank[r][j], single[j * dp + r]), f"dp={dp} rank {r} window {j}"
+
+
+def test_window_sharding_resumes_at_another_dp_degree(one_file: Path, tok: Tokenizer) -> None:
+    # Global batch 4 windows: dp 2 x local 2 for 3 steps, then dp 4 x local 1.
+    single = windows(make(one_file, tok, seq_len=8, infinite=False))
+    old = [
+        make(one_file, tok, seq_len=8, dp_rank=r, dp_world_size=2, local_batch_size=2)
+        for r in range(2)
+    ]
+    its = [iter(x) for x in old]
+    for _ in range(3):
+        for it in its:
+            next(it)
+    state = old[1].state_dict()
+    assert state["dp_world_size"] == 2
+    for r in range(4):
+        new = make(one_file, tok, seq_len=8, dp_rank=r, dp_world_size=4, local_batch_size=1)
+        new.load_state_dict(state)
+        x, y = next(iter(new))
+        assert torch.equal(torch.cat([x[0], y[0, -1:]]), single[12 + r]), f"new rank {r}"
 
 
 def test_infinite_loops_over_epochs(tmp_path: Path, tok: Tokenizer) -> None:
@@ -163,16 +203,18 @@ def test_dataset_state_carries_buffer_and_epoch(tmp_path: Path, tok: Tokenizer) 
     for _ in range(20):  # 62 tokens per epoch: 12 windows of 5
         next(it)
     state = ds.state_dict()
-    assert set(state) == {"hf", "buffer", "epoch"} and state["epoch"] >= 1
+    assert set(state) == {"hf", "buffer", "epoch", "windows"} and state["epoch"] >= 1
     assert len(state["buffer"]) < 5 + 33  # leftover < one window + one document
 
 
 def test_dp_world_size_mismatch_raises(four_files: Path, tok: Tokenizer) -> None:
-    loader = make(four_files, tok, dp_rank=0, dp_world_size=2)
+    loader = make(four_files, tok, dp_rank=0, dp_world_size=2, sharding="document")
     next(iter(loader))
     state = loader.state_dict()
     with pytest.raises(ValueError, match="data-parallel world size of 2, this run has 4"):
-        make(four_files, tok, dp_rank=0, dp_world_size=4).load_state_dict(state)
+        make(four_files, tok, dp_rank=0, dp_world_size=4, sharding="document").load_state_dict(
+            state
+        )
 
 
 def test_missing_rank_key_warns_and_starts_fresh(four_files: Path, tok: Tokenizer) -> None:

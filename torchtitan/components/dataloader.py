@@ -1,11 +1,22 @@
 """Text datasets -> packed token windows -> a stateful, data-parallel-aware dataloader.
 
 Flow: :func:`load_text_dataset` opens a streaming Hugging Face ``IterableDataset`` (a registered
-name, a local file/directory, or a hub id); :class:`PackedTokenDataset` keeps this data-parallel
-rank's share of the documents, tokenizes each one as ``BOS text EOS``, concatenates them and cuts
-the stream into windows of ``seq_len + 1`` tokens, yielding ``(window[:-1], window[1:])``;
+name, a local file/directory, or a hub id); :class:`PackedTokenDataset` tokenizes each document as
+``BOS text EOS``, concatenates them, cuts the stream into windows of ``seq_len + 1`` tokens and
+keeps this data-parallel rank's share, yielding ``(window[:-1], window[1:])``;
 :class:`ParallelAwareDataloader` batches the windows and checkpoints the exact data position of
 its rank. Nothing here touches the network unless a hub dataset is requested.
+
+Two ways to share the data among data-parallel ranks (``training.data_sharding``):
+
+- ``window`` (default): every rank reads and tokenizes the whole stream and keeps windows
+  ``i`` with ``i % dp == dp_rank``. The global batch of step ``s`` is then windows
+  ``[s*G, (s+1)*G)`` whatever the data-parallel degree and gradient accumulation, so a run on N
+  ranks sees exactly the data of a one-process run, and a checkpoint's data position is valid at
+  any data-parallel size. The cost is that each rank tokenizes all documents.
+- ``document``: documents (whole files where the dataset has enough of them) are split among
+  ranks with ``datasets.distributed.split_dataset_by_node``; each rank tokenizes only its share,
+  which scales to very large data-parallel degrees, but the data depends on that degree.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from datasets import IterableDataset as HFIterableDataset
@@ -164,7 +175,7 @@ def load_text_dataset(
 
 
 class PackedTokenDataset(IterableDataset, Stateful):
-    """Tokenized, packed ``(inputs, labels)`` windows from this data-parallel rank's documents.
+    """Tokenized, packed ``(inputs, labels)`` windows: this data-parallel rank's share.
 
     Each document becomes ``[BOS, *tokens, EOS]``; documents are concatenated and cut into
     non-overlapping windows of ``seq_len + 1`` tokens; a window ``w`` yields ``(w[:-1], w[1:])``
@@ -173,8 +184,9 @@ class PackedTokenDataset(IterableDataset, Stateful):
     dropped at an epoch boundary); with ``infinite=False`` one pass is made and a final partial
     window is dropped. Each new ``iter()`` starts from the beginning unless a state was loaded.
 
-    Resume is exact: the state is the Hugging Face dataset's own position, the leftover tokens
-    and the epoch, so a restored dataset yields exactly the windows the original would have.
+    Resume is exact: the state is the Hugging Face dataset's own position, the leftover tokens,
+    the epoch and the window count, so a restored dataset yields exactly the windows the
+    original would have. ``sharding`` is described in the module docstring.
     """
 
     def __init__(
@@ -187,6 +199,7 @@ class PackedTokenDataset(IterableDataset, Stateful):
         infinite: bool = True,
         text_column: str = "text",
         name: str = "dataset",
+        sharding: Literal["window", "document"] = "window",
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
@@ -194,10 +207,15 @@ class PackedTokenDataset(IterableDataset, Stateful):
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.text_column = text_column
         self._tokenizer = tokenizer
-        self._data = split_dataset_by_node(hf_dataset, rank=dp_rank, world_size=dp_world_size)
+        self.sharding = sharding
+        if sharding == "document":
+            self._data = split_dataset_by_node(hf_dataset, rank=dp_rank, world_size=dp_world_size)
+        else:
+            self._data = hf_dataset
         self._fresh_hf_state = self._data.state_dict()  # position 0 of epoch 0
         self._buffer: list[int] = []
         self._epoch = 0
+        self._windows = 0  # windows cut from the stream so far (window sharding: a global count)
         self._pending: dict[str, Any] | None = None  # loaded, applied when iteration starts
 
     def _documents(self) -> Iterator[str]:
@@ -213,9 +231,11 @@ class PackedTokenDataset(IterableDataset, Stateful):
         if self._pending is not None:
             state, self._pending = self._pending, None
             self._epoch, self._buffer = state["epoch"], list(state["buffer"])
+            self._windows = state.get("windows", 0)
             hf_state = state["hf"]
         else:  # a new iteration starts from the beginning
             self._epoch, self._buffer, hf_state = 0, [], self._fresh_hf_state
+            self._windows = 0
         # Epochs are counted here, not with the HF dataset's `set_epoch`: its epoch lives in
         # shared memory across DataLoader workers (meant to be set from the main process), so
         # workers moving to their next epoch at different times would race on it and make the
@@ -224,6 +244,7 @@ class PackedTokenDataset(IterableDataset, Stateful):
         # number, so the fresh (start) position is loaded explicitly when not resuming.
         self._data.load_state_dict(hf_state)
         window = self.seq_len + 1
+        mine: list[int] = []
         first_pass = True
         while True:
             n_docs = 0
@@ -232,6 +253,16 @@ class PackedTokenDataset(IterableDataset, Stateful):
                 self._buffer.extend(self._tokenizer.encode(text, bos=True, eos=True))
                 while len(self._buffer) >= window:
                     chunk, self._buffer = self._buffer[:window], self._buffer[window:]
+                    index, self._windows = self._windows, self._windows + 1
+                    if self.sharding == "window":
+                        # Window i belongs to rank i % dp. Keep ours and yield it when the
+                        # round of dp windows is complete, so every rank's saved position is
+                        # the same round boundary (a global position, valid at any dp size).
+                        if index % self.dp_world_size == self.dp_rank:
+                            mine = chunk
+                        if index % self.dp_world_size != self.dp_world_size - 1:
+                            continue
+                        chunk = mine
                     tokens = torch.tensor(chunk, dtype=torch.int64)
                     yield tokens[:-1], tokens[1:]
             if not self.infinite:
@@ -263,7 +294,12 @@ class PackedTokenDataset(IterableDataset, Stateful):
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:
             return copy.deepcopy(self._pending)
-        return {"hf": self._data.state_dict(), "buffer": list(self._buffer), "epoch": self._epoch}
+        return {
+            "hf": self._data.state_dict(),
+            "buffer": list(self._buffer),
+            "epoch": self._epoch,
+            "windows": self._windows,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         missing = {"hf", "buffer", "epoch"} - set(state_dict)
@@ -314,13 +350,25 @@ class ParallelAwareDataloader(StatefulDataLoader):
             )
             return
         saved_world = state_dict.get("dp_world_size")
+        window_sharding = getattr(self.dataset, "sharding", None) == "window"
+        if saved_world is not None and int(saved_world) != self.dp_world_size and window_sharding:
+            # Window sharding saves the same global round boundary on every rank, so any
+            # rank's position is valid for a new data-parallel size.
+            any_key = sorted(k for k in state_dict if k.startswith("dp_rank_"))
+            if not any_key:
+                raise ValueError("dataloader: the checkpoint holds no dp_rank_<r> state")
+            state_dict = {
+                self._rank_key: state_dict[any_key[0]],
+                "dp_world_size": self.dp_world_size,
+            }
+            saved_world = self.dp_world_size
         if saved_world is not None and int(saved_world) != self.dp_world_size:
             raise ValueError(
                 f"dataloader: the checkpoint was saved with a data-parallel world size of "
-                f"{saved_world}, this run has {self.dp_world_size}. Resuming the data position "
-                f"with a different data-parallel size is not supported yet: keep the same "
-                f"data_parallel_replicate_degree x data_parallel_shard_degree, or start the "
-                f"data from scratch (load the checkpoint without its dataloader state)."
+                f"{saved_world}, this run has {self.dp_world_size}. With "
+                f"training.data_sharding = 'document' the data position depends on the "
+                f"data-parallel size: keep the same data_parallel_replicate_degree x "
+                f"data_parallel_shard_degree, or train with data_sharding = 'window'."
             )
         if self._rank_key not in state_dict:
             warnings.warn(
@@ -346,6 +394,7 @@ def build_dataloader(
     split: str = "train",
     infinite: bool = True,
     num_workers: int = 0,
+    sharding: Literal["window", "document"] = "window",
 ) -> ParallelAwareDataloader:
     """A dataloader of ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]``
     over this data-parallel rank's share of ``dataset`` (see :func:`load_text_dataset`)."""
@@ -361,6 +410,7 @@ def build_dataloader(
         infinite=infinite,
         text_column=text_column,
         name=dataset,
+        sharding=sharding,
     )
     return ParallelAwareDataloader(
         packed, dp_rank, dp_world_size, batch_size=local_batch_size, num_workers=num_workers

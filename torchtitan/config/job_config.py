@@ -46,6 +46,9 @@ class Training:
     dataset_path: str | None = None
     """Local file or folder for the dataset; overrides the registered default path."""
 
+    data_sharding: Literal["window", "document"] = "window"
+    """How data-parallel ranks share the data: window (rank r keeps packed windows r, r+dp, ...; identical data at any dp degree, every rank tokenizes everything) or document (documents split among ranks; scales to large dp, data depends on the dp degree)."""
+
     local_batch_size: int = 8
     """Sequences per data-parallel rank per micro-step."""
 

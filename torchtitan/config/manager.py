@@ -236,8 +236,15 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str | None, bool]]:
         value: str | None = None
         if "=" in body:
             body, value = body.split("=", 1)
-        negated = body.startswith("no-") or body.startswith("no_")
-        key = (body[3:] if negated else body).replace("-", "_")
+        # --no-section.field and tyro's --section.no-field both negate a boolean.
+        head, _, last = body.rpartition(".")
+        if body.startswith(("no-", "no_")):
+            negated, body = True, body[3:]
+        elif last.startswith(("no-", "no_")):
+            negated, body = True, f"{head}.{last[3:]}"
+        else:
+            negated = False
+        key = body.replace("-", "_")
         if value is None and not negated and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             value = argv[i + 1]
             i += 1
