@@ -12,6 +12,7 @@ import gc
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from torchtitan.components.dataloader import build_dataloader
 from torchtitan.components.loss import cross_entropy_loss
@@ -96,20 +97,23 @@ class Trainer:
         self.param_dtype = resolve_param_dtype(t.mixed_precision_param, self.device)
         reduce_dtype = _DTYPES[t.mixed_precision_reduce]
         self.model = spec.parallelize(model, dims, cfg, self.param_dtype, reduce_dtype)
-        self.model.to_empty(device=self.device)
-        self.model.init_weights(seed=cfg.debug.seed, buffer_device=self.device)  # type: ignore[operator]
-        self.model.train()
-        # Without FSDP/DDP there is no MixedPrecisionPolicy: low-precision compute uses autocast.
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=self.param_dtype)
-            if self.param_dtype != torch.float32 and not (dims.fsdp_enabled or dims.ddp_enabled)
-            else contextlib.nullcontext()
-        )
+        # The modules this rank trains (several pipeline stages per rank under PP).
+        self.model_parts: list[nn.Module] = [self.model]
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            part.init_weights(seed=cfg.debug.seed, buffer_device=self.device)  # type: ignore[operator]
+            part.train()
 
         # 5. Optimizer and LR schedule.
         o, s = cfg.optimizer, cfg.lr_scheduler
         self.optimizer = build_optimizer(
-            [self.model], o.name, o.lr, (o.beta1, o.beta2), o.eps, o.weight_decay, o.implementation
+            self.model_parts,
+            o.name,
+            o.lr,
+            (o.beta1, o.beta2),
+            o.eps,
+            o.weight_decay,
+            o.implementation,
         )
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer,
@@ -169,21 +173,35 @@ class Trainer:
         inputs, labels = next(self.data_iter)
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
+    def train_context(self) -> contextlib.ExitStack:
+        """Contexts around forward and loss: autocast where no FSDP/DDP policy casts parameters."""
+        stack = contextlib.ExitStack()
+        dims = self.parallel_dims
+        if self.param_dtype != torch.float32 and not (dims.fsdp_enabled or dims.ddp_enabled):
+            stack.enter_context(torch.autocast(self.device.type, dtype=self.param_dtype))
+        return stack
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward, loss and backward of one microbatch; returns the detached, scaled loss."""
+        with self.train_context():
+            logits = self.model(inputs)
+            # Scale so the accumulated gradient is the mean over the whole global batch.
+            loss = cross_entropy_loss(logits, labels) / self.grad_accum_steps
+        del logits
+        loss.backward()
+        return loss.detach()
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum_steps`` microbatches; returns (loss, grad norm)."""
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         for _ in range(self.grad_accum_steps):
             inputs, labels = self.next_batch()
-            with self.autocast:
-                logits = self.model(inputs)
-            # Scale so the accumulated gradient is the mean over the whole global batch.
-            loss = cross_entropy_loss(logits, labels) / self.grad_accum_steps
-            del logits
-            loss.backward()
-            step_loss += loss.detach()
+            step_loss += self.forward_backward(inputs, labels)
         grad_norm = dist_utils.clip_grad_norm_(
-            self.model.parameters(), self.cfg.training.max_norm, pp_mesh=None
+            [p for part in self.model_parts for p in part.parameters()],
+            self.cfg.training.max_norm,
+            pp_mesh=self.parallel_dims.get_mesh("pp") if self.parallel_dims.pp_enabled else None,
         )
         self.optimizer.step()
         self.lr_scheduler.step()
