@@ -183,3 +183,13 @@ def test_config_cli_prints_toml_or_error() -> None:
     assert bad.returncode == 2
     assert "parallelism.data_parallel_shard_degree = 3" in bad.stderr and "Fix:" in bad.stderr
     assert _cli("--help").returncode == 0
+
+
+def test_config_docs_are_current() -> None:
+    """docs/config.md is the snapshot of every option: a new or changed field must regenerate it."""
+    from torchtitan.config.docs import config_markdown
+
+    current = (ROOT / "docs" / "config.md").read_text()
+    assert current == config_markdown(), (
+        "docs/config.md is out of date: run `python -m torchtitan.config.docs > docs/config.md`"
+    )
