@@ -22,6 +22,8 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$key" && -x "$venv/bin/python" ]]; th
 fi
 
 log() { echo "[setup_env] $*" >&2; }
+# pip warns about every missing package folder of the machine's extra local indexes: noise.
+quiet_pip() { "$venv/bin/pip" "$@" 2> >(grep -v "^WARNING: Location '" >&2); }
 command -v "$python" >/dev/null || { log "error: '$python' not found; set PYTHON=/path/to/python3.11"; exit 1; }
 
 constraints="$(mktemp)"
@@ -35,11 +37,11 @@ else
     if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
         if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
             log "NVIDIA GPU found: installing torch==$torch_version (CUDA build)"
-            "$venv/bin/pip" install -q "torch==$torch_version" >&2
+            quiet_pip install -q "torch==$torch_version" >&2
         else
             log "no NVIDIA GPU: installing the CPU build torch==$torch_version+cpu"
-            "$venv/bin/pip" install -q "torch==$torch_version+cpu" >&2 2>/dev/null ||
-                "$venv/bin/pip" install -q "torch==$torch_version+cpu" \
+            quiet_pip install -q "torch==$torch_version+cpu" >&2 2>/dev/null ||
+                quiet_pip install -q "torch==$torch_version+cpu" \
                     --extra-index-url https://download.pytorch.org/whl/cpu >&2
         fi
     fi
@@ -48,6 +50,6 @@ fi
 echo "torch==$existing" >"$constraints"
 
 log "installing torchtitan and its dependencies (constrained to torch==$existing)"
-"$venv/bin/pip" install -q -c "$constraints" -e "$root[dev]" >&2
+quiet_pip install -q -c "$constraints" -e "$root[dev]" >&2
 echo "$key" >"$stamp"
 echo "$venv/bin/python"
