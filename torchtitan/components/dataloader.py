@@ -334,6 +334,9 @@ class ParallelAwareDataloader(StatefulDataLoader):
             raise ValueError(f"training.local_batch_size must be >= 1, got {batch_size}")
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self._rank_key = f"dp_rank_{dp_rank}"
+        # Each iter() draws a base seed; from a private generator, so creating the iterator
+        # does not advance torch's global RNG (whose state a checkpoint restores bitwise).
+        kwargs.setdefault("generator", torch.Generator())
         super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:

@@ -12,12 +12,15 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.components.metrics_writers import MetricWriter
 from torchtitan.distributed.utils import all_reduce_
+from torchtitan.tools.cross_rank import reduce_extremes
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory import DeviceMemoryMonitor
+from torchtitan.tools.memory_monitor import MemoryMonitor
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -25,6 +28,13 @@ def _fmt_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}:{m:02d}:{s:02d}"
+
+
+def _from_pp_rank(values: list[float], pp_mesh: DeviceMesh, src: int) -> list[float]:
+    """``values`` as held by pp rank ``src`` (a broadcast over ``pp_mesh``), on every pp rank."""
+    packed = torch.tensor(values, dtype=torch.float64, device=pp_mesh.device_type)
+    dist.broadcast(packed, group=pp_mesh.get_group(), group_src=src)
+    return packed.tolist()
 
 
 @dataclass
@@ -70,16 +80,31 @@ class MetricsProcessor:
         peak_flops: float | None,
         peak_flops_source: str,
         writers: list[MetricWriter],
+        pp_mesh: DeviceMesh | None = None,
+        pp_loss_rank: int = 0,
+        memory_monitor: MemoryMonitor | None = None,
+        cross_rank_view: bool = False,
     ) -> None:
         self.device = device
         self.log_freq = log_freq
         self.total_steps = total_steps
         self.loss_mesh = loss_mesh
+        # Pipeline parallel: only the stage on pp rank ``pp_loss_rank`` of ``pp_mesh`` has a loss.
+        self.pp_mesh = pp_mesh if pp_mesh is not None and pp_mesh.size() > 1 else None
+        self.pp_loss_rank = pp_loss_rank
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.peak_flops_source = peak_flops_source
         self.writers = writers
-        self.memory = DeviceMemoryMonitor(device)
+        # Per-step memory, warm-up labels and the leak detector (tools/memory_monitor.py).
+        self.memory_monitor = memory_monitor or MemoryMonitor(
+            DeviceMemoryMonitor(device), leak_window=0
+        )
+        self.memory = self.memory_monitor.device
+        self.cross_rank_view = cross_rank_view
+        self.data_time = 0.0  # seconds waiting for batches since the last log (add_data_time)
+        self.skipped_steps = 0  # optimizer steps skipped for non-finite values (set by trainer)
+        self._steps_since_log = 0
         self.loss = LossTracker(device)
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
         self.tokens_since_log = 0
@@ -94,12 +119,15 @@ class MetricsProcessor:
         """Start the throughput clock (call right before the first step, after set-up)."""
         self.train_start = self.last_log_time = time.perf_counter()
 
-    def end_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int) -> None:
+    def end_step(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, step: int | None = None
+    ) -> None:
         """Record one optimizer step (``tokens`` processed by this rank); no host sync."""
         self.loss.add(loss)
         self.grad_norm.copy_(grad_norm.detach())
         self.tokens_since_log += tokens
-        self.memory.sample()
+        self._steps_since_log += 1
+        self.memory_monitor.end_step(step if step is not None else self.last_log_step + 1)
 
     def log(self, step: int, lr: float) -> dict[str, float | int | None]:
         """Reduce, print one line, write every writer; returns the scalars."""
@@ -107,6 +135,13 @@ class MetricsProcessor:
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         loss, loss_avg = self.loss.reduce_and_reset(self.loss_mesh)
+        if self.pp_mesh is not None:
+            # DESIGN 1.1: take the last stage's reduced loss and its token count, so every
+            # pipeline rank logs and writes the real values (one small tensor, log steps only).
+            loss, loss_avg, tokens = _from_pp_rank(
+                [loss, loss_avg, self.tokens_since_log], self.pp_mesh, self.pp_loss_rank
+            )
+            self.tokens_since_log = int(tokens)
         grad_norm = float(self.grad_norm.item())
         # Throughput and step time average over the steps since the last log (step 1 includes
         # the first-iteration warm-up, which is why it is slower).
@@ -118,7 +153,7 @@ class MetricsProcessor:
         if self.peak_flops:
             mfu = 100.0 * self.flops_per_token * tps / self.peak_flops
         eta = step_time * (self.total_steps - step)
-        mem = self.memory.stats()
+        mem = self.memory_monitor.log_stats()
         metrics: dict[str, float | int | None] = {
             "loss": loss,
             "loss_avg": loss_avg,
@@ -131,6 +166,8 @@ class MetricsProcessor:
             "eta_s": eta,
         }
         metrics.update(mem.as_dict(prefix="memory/"))
+        obs, obs_txt = self.observability_fields(step_time, mem.peak_gib)
+        metrics.update(obs)
         mfu_txt = f"  mfu {mfu:5.2f}%" if mfu is not None else ""
         if mem.device_type == "cuda":
             mem_txt = (
@@ -140,7 +177,7 @@ class MetricsProcessor:
             mem_txt = f"mem rss {mem.rss_gib:.2f} GiB (peak {mem.peak_rss_gib:.2f})"
         logger.info(
             f"step {step:>6}  loss {loss:8.4f} (avg {loss_avg:7.4f})  grad_norm {grad_norm:7.4f}  "
-            f"lr {lr:.3e}  tok/s {tps:9,.0f}{mfu_txt}  {mem_txt}  "
+            f"lr {lr:.3e}  tok/s {tps:9,.0f}{mfu_txt}  {mem_txt}{obs_txt}  "
             f"elapsed {_fmt_duration(now - self.train_start)}  eta {_fmt_duration(eta)}"
         )
         for w in self.writers:
@@ -149,6 +186,58 @@ class MetricsProcessor:
         self.memory.reset_peak()
         return metrics
 
+    def add_data_time(self, seconds: float) -> None:
+        """Time this rank waited for input batches (summed per log window)."""
+        self.data_time += seconds
+
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` (e.g. a validation run) out of the next throughput and step time."""
+        self.last_log_time += seconds
+
+    def observability_fields(
+        self, step_time: float, peak_gib: float
+    ) -> tuple[dict[str, float | int | None], str]:
+        """Memory warm-up/leak state, data time, skipped steps and the cross-rank view: scalars
+        for the writers and the text appended to the log line."""
+        fields, text = self.memory_monitor.log_fields()
+        data_time = self.data_time / max(self._steps_since_log, 1)
+        self.data_time, self._steps_since_log = 0.0, 0
+        fields["data_time_s"] = data_time
+        fields["skipped_steps"] = self.skipped_steps
+        if self.skipped_steps:
+            text += f"  skipped {self.skipped_steps} step(s) (non-finite)"
+        if not self.cross_rank_view:
+            return fields, text
+        leak = float(fields["memory/leak_mib_per_step"] or 0.0)
+        # One int64 MAX all-reduce: min, max and their ranks (tools/cross_rank.py).
+        view = reduce_extremes(
+            {
+                "step_time_s": (step_time, 1e6),
+                "data_time_s": (data_time, 1e6),
+                "memory_peak_gib": (peak_gib, float(1 << 20)),
+                "memory_leak_mib_per_step": (leak, 1024.0),
+            },
+            rank=dist.get_rank() if dist.is_initialized() else 0,
+            device=self.device,
+        )
+        fields.update({f"ranks/{k}": v for k, v in view.items()})
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            v = view
+            text += (
+                f"  ranks: step {v['step_time_s_min']:.2f}-{v['step_time_s_max']:.2f}s "
+                f"(max r{v['step_time_s_max_rank']}) data {v['data_time_s_min']:.3f}-"
+                f"{v['data_time_s_max']:.3f}s (max r{v['data_time_s_max_rank']}) peak "
+                f"{v['memory_peak_gib_min']:.2f}-{v['memory_peak_gib_max']:.2f} GiB "
+                f"(max r{v['memory_peak_gib_max_rank']})"
+            )
+            if v["memory_leak_mib_per_step_max"] > 0:
+                text += (
+                    f"  LEAK on rank {v['memory_leak_mib_per_step_max_rank']}: "
+                    f"+{v['memory_leak_mib_per_step_max']:.2f} MiB/step"
+                )
+        return fields, text
+
     def close(self) -> None:
         for w in self.writers:
             w.close()
+        self.memory_monitor.close()

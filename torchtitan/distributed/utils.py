@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -64,6 +65,7 @@ def set_pg_timeouts(timeout_s: int, mesh: DeviceMesh) -> None:
 def set_determinism(seed: int, deterministic: bool) -> None:
     """Seed every RNG (same on all ranks) and optionally force deterministic kernels."""
     torch.manual_seed(seed)
+    random.seed(seed)  # Python's own RNG too: checkpoints save and restore it
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=False)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -91,6 +93,46 @@ def all_reduce_(t: torch.Tensor, mesh: DeviceMesh | None, op: str = "avg") -> to
     return t
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor's value as a plain tensor (e.g. the loss under loss parallel)."""
+    if isinstance(t, DTensor):
+        assert all(p.is_replicate() for p in t.placements), t.placements
+        return t.to_local()
+    return t
+
+
+def _mesh_of(t: torch.Tensor | None) -> DeviceMesh | None:
+    return t.device_mesh if isinstance(t, DTensor) else None
+
+
+def _combine_norms(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    stacked = torch.stack(norms)
+    if math.isinf(norm_type):
+        return stacked.max()
+    return torch.linalg.vector_norm(stacked, norm_type)
+
+
+def total_grad_norm(
+    grads: list[torch.Tensor], norm_type: float = 2.0, foreach: bool | None = None
+) -> torch.Tensor:
+    """The norm of all ``grads`` together, as a plain tensor, whatever their mesh or placement.
+
+    torch's ``get_total_norm`` stacks per-tensor norms, so it needs every gradient on one mesh
+    (or none): grouping by mesh first lets plain tensors and DTensors on different meshes mix.
+    Each group's DTensor norm is completed over every axis it is sharded on (``full_tensor``).
+    """
+    groups: dict[DeviceMesh | None, list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault(_mesh_of(g), []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(
+            group, norm_type, error_if_nonfinite=False, foreach=foreach
+        )
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return norms[0] if len(norms) == 1 else _combine_norms(norms, norm_type)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[nn.Parameter],
@@ -101,20 +143,17 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Total gradient norm over every mesh axis (and pipeline stages), then clip in place.
 
-    DTensor gradients reduce their partial norms over the axes they are sharded on; with
-    pipeline parallel each stage holds different parameters, so the stage norms are combined
-    with one more all-reduce over ``pp_mesh``. ``max_norm <= 0`` only measures.
-    Returns the total norm as a plain 0-dim tensor.
+    DTensor gradients reduce their partial norms over the axes they are sharded on (FSDP's
+    data axes, TP); with pipeline parallel each stage holds different parameters, so the stage
+    norms are combined with one more all-reduce over ``pp_mesh`` (every stage must call this).
+    ``max_norm <= 0`` only measures. Returns the total norm as a plain 0-dim tensor.
     """
     params = [p for p in parameters if p.grad is not None]
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(
-        grads, norm_type, error_if_nonfinite=False, foreach=foreach
-    )
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    if grads:
+        total = total_grad_norm(grads, norm_type, foreach)
+    else:
+        total = torch.zeros((), device=device_type())
     if pp_mesh is not None and pp_mesh.size() > 1:
         if math.isinf(norm_type):
             all_reduce_(total, pp_mesh, op="max")
@@ -123,8 +162,25 @@ def clip_grad_norm_(
             all_reduce_(total, pp_mesh, op="sum")
             total = total ** (1.0 / norm_type)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+        clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
     return total
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(
+    parameters: Iterable[nn.Parameter],
+    max_norm: float,
+    total_norm: torch.Tensor,
+    foreach: bool | None = None,
+) -> None:
+    """Scale gradients by ``max_norm / total_norm`` when that is below 1 (torch's function of the
+    same name, applied per mesh group: foreach kernels refuse a mix of Tensor and DTensor)."""
+    by_mesh: dict[DeviceMesh | None, list[nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(_mesh_of(p.grad), []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total_norm, foreach=foreach)
 
 
 def destroy_distributed() -> None:

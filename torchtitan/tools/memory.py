@@ -6,10 +6,17 @@ shows), and ``num_alloc_retries``/``num_ooms`` count allocator cache flushes and
 non-zero retry count means the allocator is under pressure and steps slow down).
 
 On CPU there is no allocator to ask (``torch.accelerator`` memory stats raise there), so the process resident
-set size (RSS, from ``psutil``) stands in: ``current`` is the RSS now and ``peak`` the largest RSS seen by
-``sample()``/``stats()`` since the last ``reset_peak()``. That peak is only as good as the sampling (once per
-step): a spike that comes and goes inside a step is missed. On Linux ``peak_rss`` is the kernel's own
-high-water mark (``VmHWM``), exact but counted since process start and never reset.
+set size (RSS, from ``psutil``) stands in: ``current`` is the RSS now and ``peak`` the largest RSS since the last
+``reset_peak()``. On Linux that peak is exact: ``reset_peak()`` resets the kernel's RSS high-water mark
+(``VmHWM``, by writing ``5`` to ``/proc/self/clear_refs``) and the peak is read back from it, so a spike that
+comes and goes inside a step is seen. Elsewhere (or where ``clear_refs`` is not writable) the peak is the
+largest RSS seen by ``sample()``/``stats()``, only as good as the sampling (once per step). ``peak_rss`` is the
+process's high-water mark since start (the kernel's values before each reset are remembered).
+
+On CPU with glibc, ``heap`` is what the C heap holds *in use* now (``mallinfo2``: allocated chunks plus
+``mmap``-ed blocks): the bytes of live tensors and other native allocations, without the memory freed but kept
+by the allocator. It is CPU's counterpart of CUDA's allocated bytes: exact and flat when nothing leaks, where
+RSS drifts with heap fragmentation (the leak detector in ``memory_monitor`` watches it on CPU).
 
 Every device also reports ``rss``/``peak_rss`` for the process, so host-memory growth (e.g. a data loader
 leak) is visible on GPU runs too. Devices other than CUDA and CPU get the CPU treatment (process RSS).
@@ -27,9 +34,12 @@ Typical use, once per training step::
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import sys
 from dataclasses import dataclass, fields
+from typing import Any
 
 import psutil
 import torch
@@ -56,6 +66,8 @@ class MemoryStats:
     num_ooms: int | None
     rss_gib: float
     peak_rss_gib: float
+    heap_gib: float | None = None
+    """CPU with glibc only: bytes in use in the C heap (see the module docstring)."""
 
     def as_dict(self, prefix: str = "memory/") -> dict[str, float | int]:
         """Flat ``{prefix + field: value}`` for metric writers: numbers only, ``None`` and non-finite values
@@ -73,6 +85,58 @@ class MemoryStats:
 
 def _rss_bytes(process: psutil.Process) -> int:
     return int(process.memory_info().rss)
+
+
+def _reset_os_peak_rss() -> bool:
+    """Reset the kernel's RSS high-water mark (Linux >= 4.0); False where that is not possible."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+_mallinfo2: Any = None  # glibc's mallinfo2, looked up once; False when unavailable
+
+
+def _heap_in_use_bytes() -> int | None:
+    """Bytes in use in the C heap (glibc >= 2.33 ``mallinfo2``: in-use chunks + mmap-ed blocks)."""
+    global _mallinfo2
+    if _mallinfo2 is None:
+        _mallinfo2 = False
+        if sys.platform.startswith("linux"):
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                fn = libc.mallinfo2
+                fn.restype = _MallInfo2
+                _mallinfo2 = fn
+            except (OSError, AttributeError):
+                pass
+    if _mallinfo2 is False:
+        return None
+    info = _mallinfo2()
+    return int(info.uordblks + info.hblkhd)
 
 
 def _os_peak_rss_bytes() -> int | None:
@@ -109,7 +173,8 @@ class DeviceMemoryMonitor:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._process = psutil.Process()
         self._peak_rss_sampled = 0  # max RSS sampled since the last reset_peak()
-        self._peak_rss_ever = 0  # max RSS sampled since construction (fallback for peak_rss)
+        self._peak_rss_ever = 0  # max RSS seen since construction (sampled, or VmHWM before resets)
+        self._os_peak_is_windowed = False  # VmHWM was reset by the last reset_peak()
         self.reset_peak()
 
     @property
@@ -121,8 +186,10 @@ class DeviceMemoryMonitor:
         if self._is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         rss = _rss_bytes(self._process)
+        # Remember the process high-water mark before resetting the kernel's.
+        self._peak_rss_ever = max(self._peak_rss_ever, rss, _os_peak_rss_bytes() or 0)
         self._peak_rss_sampled = rss
-        self._peak_rss_ever = max(self._peak_rss_ever, rss)
+        self._os_peak_is_windowed = _reset_os_peak_rss()
 
     def sample(self) -> int:
         """Read the current RSS, fold it into the peaks and return it (bytes)."""
@@ -133,13 +200,13 @@ class DeviceMemoryMonitor:
             self._peak_rss_ever = rss
         return rss
 
-    def _peak_rss(self) -> int:
-        os_peak = _os_peak_rss_bytes()
-        return max(self._peak_rss_ever, os_peak or 0)
-
     def stats(self) -> MemoryStats:
         rss = self.sample()
-        peak_rss_gib = self._peak_rss() / _GIB
+        os_peak = _os_peak_rss_bytes() or 0
+        peak_rss_gib = max(self._peak_rss_ever, os_peak) / _GIB
+        heap = None if self._is_cuda else _heap_in_use_bytes()
+        # Peak RSS since reset_peak(): the kernel's exact value where it was reset, else sampled.
+        window_peak = max(self._peak_rss_sampled, os_peak if self._os_peak_is_windowed else 0)
         if self._is_cuda:
             dev = self.device
             cuda_stats = torch.cuda.memory_stats(dev)
@@ -157,13 +224,14 @@ class DeviceMemoryMonitor:
         return MemoryStats(
             device_type=self.device_type,
             current_gib=rss / _GIB,
-            peak_gib=self._peak_rss_sampled / _GIB,
+            peak_gib=window_peak / _GIB,
             reserved_gib=None,
             peak_reserved_gib=None,
             num_alloc_retries=None,
             num_ooms=None,
             rss_gib=rss / _GIB,
             peak_rss_gib=peak_rss_gib,
+            heap_gib=None if heap is None else heap / _GIB,
         )
 
     def as_dict(self, prefix: str = "memory/") -> dict[str, float | int]:

@@ -1,0 +1,62 @@
+"""Initial weights: from a model-only checkpoint (scripts/convert_from_hf.py's output) and
+directly from a Hugging Face folder; the trainer's parameters must equal the given weights."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from tests.launcher import run_ranks
+from tests.parity import DEBUG_TOML, TINY
+from torchtitan.components.checkpoint_io import write_model_weights
+from torchtitan.models.llama3.args import LLAMA3_FLAVORS
+from torchtitan.models.llama3.model import Transformer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _trainer_weights(argv: list[str], expected: dict[str, torch.Tensor]) -> list[str]:
+    """Build the trainer (which loads the initial weights); the names whose full weights differ
+    from ``expected`` (compared here: tensors cannot travel back through the result queue)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from torchtitan.config.manager import parse_args
+    from torchtitan.trainer import Trainer
+
+    trainer = Trainer(parse_args(["--job.config_file", DEBUG_TOML, *argv]))
+    try:
+        assert trainer.step == 0
+        sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+        if set(sd) != set(expected):
+            extra, missing = sorted(set(sd) - set(expected)), sorted(set(expected) - set(sd))
+            return [f"names differ: trainer only {extra[:3]}, given only {missing[:3]}"]
+        return [k for k in expected if not torch.equal(sd[k], expected[k])]
+    finally:
+        trainer.close()
+
+
+def test_initial_weights_from_checkpoint_and_from_hf(tmp_path: Path) -> None:
+    args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], max_seq_len=64)
+    model = Transformer(args)
+    model.init_weights(seed=123)  # type: ignore[operator]
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    folder = write_model_weights(tmp_path / "seed", 0, expected)
+    spec = importlib.util.spec_from_file_location("to_hf", ROOT / "scripts" / "convert_to_hf.py")
+    assert spec is not None and spec.loader is not None
+    to_hf = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(to_hf)
+    to_hf.convert(folder, tmp_path / "hf", args, torch.float32, shard_mb=4096)
+
+    base = [*TINY, "--training.local_batch_size", "4", "--checkpoint.enable"]
+    for extra in (
+        ["--checkpoint.initial_load_path", str(folder)],
+        ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf"],
+    ):
+        dump = tmp_path / f"run{len(extra)}"
+        # 2 ranks: the full weights are resharded into FSDP shards on load.
+        argv = [*base, "--job.dump_folder", str(dump), *extra]
+        for bad in run_ranks(_trainer_weights, 2, argv, expected):
+            assert not bad, f"{extra}: weights differ from the given ones: {bad[:5]}"

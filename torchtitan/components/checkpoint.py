@@ -1,0 +1,381 @@
+"""Distributed checkpoints (DCP): save, verify, resume, preemption, asynchronous saves.
+
+One checkpoint per saved step, ``<dump_folder>/<checkpoint.folder>/step-N/``, holds:
+
+- ``model``: the parameters and buffers of every model part, under the unparallelized model's
+  names (``get_model_state_dict``: FSDP/TP DTensors are saved by shard and resharded at load);
+- ``optimizer``: the optimizer state under the same names (``get_optimizer_state_dict``);
+- ``lr_scheduler``, ``train_state`` (step, tokens seen): pickled, identical on every rank;
+- ``dataloader``: each data-parallel rank's position (``dp_rank_<r>``) and ``dp_world_size``;
+- ``rng``: every rank's RNG states (``rank_<r>``): torch CPU (and CUDA), Python ``random``.
+
+Writing and checking the folder is :mod:`torchtitan.components.checkpoint_io` (temporary name,
+manifest with sizes and SHA-256, one rename when all ranks are done). All coordination runs on
+a gloo group of its own; an asynchronous save gets a second one, used only by its thread,
+because collectives issued concurrently from two threads on one group can pair up in different
+orders on different ranks (DESIGN section 7: ``dcp.async_save`` corrupts a shared gloo group).
+"""
+
+from __future__ import annotations
+
+import pickle
+import random
+import shutil
+import signal
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from torchtitan.components import checkpoint_io as io
+from torchtitan.tools.logging import logger
+
+AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+COMPONENTS = frozenset({"model", "optimizer", "lr_scheduler", "train_state", "dataloader", "rng"})
+
+
+# ---------------------------------------------------------------- model and optimizer state
+def model_state_dict(parts: list[nn.Module]) -> dict[str, Any]:
+    """Parameters and buffers of all model parts, keyed by their names in the full model
+    (pipeline stages keep the full model's names, so the parts never collide)."""
+    sd: dict[str, Any] = {}
+    for part in parts:
+        sd.update(get_model_state_dict(part))
+    return sd
+
+
+def load_model_state_dict(parts: list[nn.Module], sd: dict[str, Any]) -> None:
+    for part in parts:
+        set_model_state_dict(part, sd, options=StateDictOptions(strict=False))
+
+
+def _strip_part_index(name: str) -> str:
+    return name.split(".", 1)[1]
+
+
+def optimizer_state_dict(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state keyed by full-model parameter names.
+
+    torch's helper maps parameters to names through one module; one optimizer spans all parts
+    here, so the parts go in an ``nn.ModuleList`` and its ``<index>.`` prefix is removed (the
+    index of a stage on this rank is not a property of the model, and changes with the
+    pipeline layout)."""
+    osd: dict[str, Any] = get_optimizer_state_dict(nn.ModuleList(parts), optimizer)  # type: ignore[assignment]
+    return {
+        "state": {_strip_part_index(k): v for k, v in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [_strip_part_index(k) for k in g["params"]]}
+            for g in osd["param_groups"]
+        ],
+    }
+
+
+def load_optimizer_state_dict(
+    parts: list[nn.Module], optimizer: torch.optim.Optimizer, osd: dict
+) -> None:
+    prefixed = {
+        name: f"{i}.{name}" for i, part in enumerate(parts) for name, _ in part.named_parameters()
+    }
+    full = {
+        "state": {prefixed[k]: v for k, v in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [prefixed[k] for k in g["params"]]} for g in osd["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(nn.ModuleList(parts), optimizer, full)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- RNG
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    # Raw bytes, not a pickled tensor: a tensor's pickle holds its storage address, so equal
+    # states would give different checkpoint bytes.
+    return t.cpu().numpy().tobytes()
+
+
+def _bytes_tensor(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+def rng_state() -> bytes:
+    """This rank's RNG states: torch CPU (and CUDA) generators and Python's ``random``."""
+    state: dict[str, Any] = {
+        "torch": _tensor_bytes(torch.get_rng_state()),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [_tensor_bytes(t) for t in torch.cuda.get_rng_state_all()]
+    return pickle.dumps(state)
+
+
+def set_rng_state(blob: bytes) -> None:
+    state = pickle.loads(blob)
+    torch.set_rng_state(_bytes_tensor(state["torch"]))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_bytes_tensor(b) for b in state["cuda"]])
+
+
+class CheckpointManager:
+    """Saves at ``interval`` (and the last step), resumes from the newest valid checkpoint,
+    and turns SIGTERM/SIGUSR1 into a save at the next step boundary.
+
+    Call :meth:`load` once before training, :meth:`step_end` after every optimizer step (it
+    returns True when the run must stop because of a preemption signal) and :meth:`close`
+    at the end. Every rank must make the same calls: they are collective.
+    """
+
+    def __init__(
+        self,
+        *,
+        root: Path,
+        interval: int,
+        keep_latest_k: int,
+        async_mode: AsyncMode,
+        load_step: int,
+        total_steps: int,
+        model_parts: list[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
+        dataloader: Any,
+        verify_checksums: bool = True,
+        exclude_from_loading: tuple[str, ...] = (),
+        initial_load_path: str = "",
+        initial_load_model_only: bool = True,
+        initial_load_in_hf: bool = False,
+        hf_adapter: Any = None,
+    ) -> None:
+        self.root = root
+        self.interval, self.keep_latest_k, self.total_steps = interval, keep_latest_k, total_steps
+        self.async_mode, self.load_step = async_mode, load_step
+        self.model_parts, self.optimizer = model_parts, optimizer
+        self.lr_scheduler, self.dataloader = lr_scheduler, dataloader
+        self.verify_checksums = verify_checksums
+        self.exclude_from_loading = exclude_from_loading
+        self.initial_load_path, self.initial_load_model_only = (
+            initial_load_path,
+            initial_load_model_only,
+        )
+        self.initial_load_in_hf, self.hf_adapter = initial_load_in_hf, hf_adapter
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # Coordination group (main thread only) and the background save's group.
+        self.pg = dist.new_group(backend="gloo")
+        self.async_pg = dist.new_group(backend="gloo") if async_mode != "disabled" else None
+        self._pending: tuple[int, Future] | None = None
+        # Pinned host buffers, allocated at the first save and reused (CUDA only; validated).
+        self._stager = (
+            DefaultStager(StagingOptions(True, False, False, True))
+            if async_mode == "async_with_pinned_mem"
+            else None
+        )
+        self._signal: int | None = None
+        self.last_save_blocking_s = 0.0
+        self._old_handlers = {
+            sig: signal.signal(sig, self._on_signal) for sig in PREEMPTION_SIGNALS
+        }
+
+    # ------------------------------------------------------------ signals
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signal = signum  # acted on at the next step boundary, by every rank together
+
+    # ------------------------------------------------------------ state
+    def _state_dict(self, step: int, tokens_seen: int) -> dict[str, Any]:
+        return {
+            "model": model_state_dict(self.model_parts),
+            "optimizer": optimizer_state_dict(self.model_parts, self.optimizer),
+            "lr_scheduler": pickle.dumps(self.lr_scheduler.state_dict()),
+            "train_state": pickle.dumps({"step": step, "tokens_seen": tokens_seen}),
+            "dataloader": self.dataloader.state_dict(),
+            "rng": {f"rank_{self.rank}": rng_state()},
+        }
+
+    # ------------------------------------------------------------ load
+    def load(self) -> dict[str, int] | None:
+        """Restore the newest valid checkpoint (or ``load_step``); returns its train state
+        ``{"step", "tokens_seen"}``, or None for a start from step 0 (no checkpoint: then the
+        initial weights of ``initial_load_path`` are loaded when set)."""
+        found: list[Any] = [None]
+        if self.rank == 0:
+            found[0] = io.find_checkpoint(self.root, self.load_step, self.verify_checksums)
+        dist.broadcast_object_list(found, src=0, group=self.pg)
+        if found[0] is not None:
+            return self._load_from(found[0].path, COMPONENTS - set(self.exclude_from_loading))
+        if not self.initial_load_path:
+            logger.info(f"checkpoint: none found under {self.root}; starting from step 0")
+            return None
+        if self.initial_load_in_hf:
+            self._load_hf(Path(self.initial_load_path))
+            return None
+        path = Path(self.initial_load_path)
+        reason = [io.verify(path, self.verify_checksums) if self.rank == 0 else None]
+        dist.broadcast_object_list(reason, src=0, group=self.pg)
+        if reason[0] is not None:
+            raise RuntimeError(f"checkpoint.initial_load_path {path} is invalid: {reason[0]}")
+        wanted = {"model"} if self.initial_load_model_only else COMPONENTS
+        return self._load_from(path, wanted - set(self.exclude_from_loading))
+
+    def _load_from(
+        self, path: Path, components: set[str] | frozenset[str]
+    ) -> dict[str, int] | None:
+        """Load ``components`` (those the checkpoint holds) from ``path``."""
+        t0 = time.perf_counter()
+        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        components = {c for c in components if any(k.startswith(f"{c}.") or k == c for k in saved)}
+        sd: dict[str, Any] = {}
+        if "model" in components:
+            sd["model"] = model_state_dict(self.model_parts)
+        if "optimizer" in components:
+            sd["optimizer"] = optimizer_state_dict(self.model_parts, self.optimizer)
+        for name in ("lr_scheduler", "train_state"):
+            if name in components:
+                sd[name] = b""
+        if "dataloader" in components:
+            keys = sorted(k.split(".", 1)[1] for k in saved if k.startswith("dataloader.dp_rank_"))
+            own = next((k for k in self.dataloader.state_dict() if k.startswith("dp_rank_")), "")
+            # Another data-parallel size: any rank's position is the same global position
+            # (window sharding; the dataloader refuses it otherwise).
+            sd["dataloader"] = {own if own in keys else keys[0]: b"", "dp_world_size": 0}
+        if "rng" in components:
+            rng_key = f"rank_{self.rank}" if f"rng.rank_{self.rank}" in saved else "rank_0"
+            sd["rng"] = {rng_key: b""}
+        dcp.load(sd, checkpoint_id=str(path), process_group=self.pg)
+        if "model" in sd:
+            load_model_state_dict(self.model_parts, sd["model"])
+        if "optimizer" in sd:
+            load_optimizer_state_dict(self.model_parts, self.optimizer, sd["optimizer"])
+        if "lr_scheduler" in sd:
+            self.lr_scheduler.load_state_dict(pickle.loads(sd["lr_scheduler"]))
+        if "dataloader" in sd:
+            self.dataloader.load_state_dict(sd["dataloader"])
+        if "rng" in sd:
+            set_rng_state(next(iter(sd["rng"].values())))
+        train_state = pickle.loads(sd["train_state"]) if "train_state" in sd else None
+        logger.info(
+            f"checkpoint: loaded {sorted(sd)} from {path} in {time.perf_counter() - t0:.2f} s"
+            + (f"; resuming after step {train_state['step']}" if train_state else "")
+        )
+        return train_state
+
+    def _load_hf(self, folder: Path) -> None:
+        """Initial weights from a Hugging Face folder (``*.safetensors``): every rank reads the
+        full tensors and keeps its shards."""
+        from safetensors.torch import load_file
+
+        if self.hf_adapter is None:
+            raise RuntimeError("checkpoint.initial_load_in_hf: this model has no HF adapter")
+        t0 = time.perf_counter()
+        hf: dict[str, torch.Tensor] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            hf.update(load_file(str(f)))
+        full = self.hf_adapter.from_hf(hf)
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        for part in self.model_parts:
+            own = set(get_model_state_dict(part))
+            set_model_state_dict(part, {k: v for k, v in full.items() if k in own}, options=options)
+        logger.info(
+            f"checkpoint: initial weights from Hugging Face {folder} in "
+            f"{time.perf_counter() - t0:.2f} s"
+        )
+
+    # ------------------------------------------------------------ save
+    def step_end(self, step: int, tokens_seen: int) -> bool:
+        """At a step boundary: commit a finished background save, save if due or preempted.
+        Returns True when a preemption signal was received (the checkpoint is then saved)."""
+        preempted, pending_busy = self._agree()
+        if self._pending is not None and not pending_busy:
+            self._finish_pending()
+        if preempted:
+            logger.warning(f"checkpoint: preemption signal; saving step {step} and stopping")
+            self.save(step, tokens_seen, blocking=True)
+            return True
+        if step % self.interval == 0 or step == self.total_steps:
+            self.save(step, tokens_seen, blocking=step == self.total_steps)
+        return False
+
+    def _agree(self) -> tuple[bool, bool]:
+        """(any rank got a preemption signal, any rank's background save still running): the
+        same answer on every rank, so all of them act at the same step."""
+        busy = self._pending is not None and not self._pending[1].done()
+        flags = torch.tensor([int(self._signal is not None), int(busy)], dtype=torch.int32)
+        if self.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
+        return bool(flags[0]), bool(flags[1])
+
+    def save(self, step: int, tokens_seen: int, blocking: bool = False) -> None:
+        if self._pending is not None:
+            self._finish_pending()
+        t0 = time.perf_counter()
+        tmp = io.tmp_dir(self.root, step)
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        dist.barrier(group=self.pg)
+        sd = self._state_dict(step, tokens_seen)
+        if self.async_mode == "disabled" or blocking:
+            dcp.save(sd, checkpoint_id=str(tmp), process_group=self.pg)
+            self._commit(step)
+            self.last_save_blocking_s = time.perf_counter() - t0
+            logger.info(f"checkpoint: saved step {step} in {self.last_save_blocking_s:.2f} s")
+            return
+        result = dcp.async_save(
+            sd, checkpoint_id=str(tmp), process_group=self.async_pg, async_stager=self._stager
+        )
+        future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
+        self._pending = (step, future)
+        self.last_save_blocking_s = time.perf_counter() - t0
+        logger.info(
+            f"checkpoint: step {step} staged in {self.last_save_blocking_s:.2f} s; "
+            "writing in the background"
+        )
+
+    def _finish_pending(self) -> None:
+        assert self._pending is not None
+        step, future = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        future.result()
+        self._commit(step)
+        logger.info(
+            f"checkpoint: background save of step {step} committed (waited "
+            f"{time.perf_counter() - t0:.2f} s)"
+        )
+
+    def _commit(self, step: int) -> None:
+        """Every rank digests the files it wrote; rank 0 writes the manifest, renames the
+        folder and deletes what keep_latest_k no longer keeps."""
+        tmp = io.tmp_dir(self.root, step)
+        mine = io.digest_files(tmp, prefix=f"__{self.rank}_")
+        gathered: list[Any] = [None] * self.world_size if self.rank == 0 else []
+        dist.gather_object(mine, gathered if self.rank == 0 else None, dst=0, group=self.pg)
+        if self.rank == 0:
+            files: dict[str, Any] = {}
+            for part in gathered:
+                files.update(part)
+            io.commit(self.root, step, files, self.world_size)
+            for p in io.purge(self.root, self.keep_latest_k, newest=step):
+                logger.info(f"checkpoint: removed {p}")
+        dist.barrier(group=self.pg)
+
+    def close(self) -> None:
+        """Wait for a background save and commit it; restore the default signal handlers."""
+        if self._pending is not None:
+            self._finish_pending()
+        if self._stager is not None:
+            self._stager.close()
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
