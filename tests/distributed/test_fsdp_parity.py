@@ -6,18 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed.parity_cases import STEPS, reference_metrics
 from tests.parity import assert_losses_match, losses, train_metrics
-
-STEPS = 12
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    return losses(
-        train_metrics(
-            ["--training.local_batch_size", "8"], 1, tmp_path_factory.mktemp("ref"), STEPS
-        )
-    )
+    # The 20-step single-process run, shared with the TP/HSDP/DDP parity modules.
+    return losses(reference_metrics(tmp_path_factory))
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ Every axis exists even at degree 1, so ``mesh["tp"]`` is always valid; features 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -29,6 +30,10 @@ _FIELD = {
     "tp": "parallelism.tensor_parallel_degree",
     "pp": "parallelism.pipeline_parallel_degree",
 }
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
 def _divisors(n: int) -> list[int]:
@@ -59,46 +64,55 @@ class ParallelDims:
                     else "an integer >= 1"
                 )
                 raise ConfigError(_FIELD[axis], d, f"must be {allowed}", "set a positive degree")
-        others = 1
-        for axis, d in degrees.items():
-            if axis != "dp_shard":
-                others *= d
-        if self.world_size % others != 0:
-            bad = [
-                a
-                for a, d in degrees.items()
-                if a != "dp_shard" and d > 1 and self.world_size % d != 0
-            ]
-            axis = (
-                bad[0] if bad else next(a for a, d in degrees.items() if a != "dp_shard" and d > 1)
-            )
+        n = self.world_size
+        fixed = {a: d for a, d in degrees.items() if a != "dp_shard"}
+        others = math.prod(fixed.values())
+        if n % others != 0:
+            # Blame an axis that cannot divide the world size on its own, else the innermost
+            # enabled one, and list the values it could take with the other degrees as given.
+            enabled = [a for a, d in fixed.items() if d > 1]
+            axis = next((a for a in enabled if n % fixed[a] != 0), enabled[-1])
+            given = {a: d for a, d in degrees.items() if d > 1}  # dp_shard=-1 adapts
+            rest = {a: d for a, d in given.items() if a != axis}
+            room = n // math.prod(rest.values()) if n % math.prod(rest.values()) == 0 else 1
+            beside = f" with {self._product_text(rest, total=False)}" if rest else ""
             raise ConfigError(
                 _FIELD[axis],
                 degrees[axis],
-                f"{self.world_size} ranks cannot hold {self._product_text(degrees)}",
-                f"use degrees whose product divides {self.world_size}; "
-                f"valid {axis} for {self.world_size} ranks: {', '.join(map(str, _divisors(self.world_size)))}",
+                f"{_ranks(n)} cannot hold {self._product_text(given)}",
+                f"valid {axis} for {_ranks(n)}{beside}: {', '.join(map(str, _divisors(room)))}",
             )
-        rest = self.world_size // others
+        rest_of_world = n // others
         if self.dp_shard == -1:
-            self.dp_shard = rest
-        elif self.dp_shard != rest:
+            self.dp_shard = rest_of_world
+        elif self.dp_shard != rest_of_world:
+            shown = {a: d for a, d in fixed.items() if d > 1}
+            options = _divisors(rest_of_world)
+            smaller = options[-2] if len(options) > 1 else None
+            example = (
+                f"; below {rest_of_world}, data_parallel_replicate_degree makes up the rest, e.g. "
+                f"dp_replicate={fixed['dp_replicate'] * rest_of_world // smaller} x "
+                f"dp_shard={smaller}"
+                if smaller is not None
+                else ""
+            )
             raise ConfigError(
                 _FIELD["dp_shard"],
                 self.dp_shard,
-                f"{self.world_size} ranks cannot hold {self._product_text(degrees)}",
-                f"with the other degrees as given, dp_shard must be {rest} (or -1 for the rest); "
-                f"dp_shard values that fit {self.world_size} ranks when another axis takes the "
-                f"remaining factor: {', '.join(str(d) for d in _divisors(rest))}",
+                f"{_ranks(n)} cannot hold {self._product_text(degrees)}; "
+                f"the degrees must multiply to {n}",
+                f"valid dp_shard for {self._product_text(shown, total=False) or 'no other axes'}: "
+                f"{', '.join(map(str, options))} (-1 takes the rest: {rest_of_world}{example})",
             )
 
     @staticmethod
-    def _product_text(degrees: dict[str, int]) -> str:
+    def _product_text(degrees: dict[str, int], total: bool = True) -> str:
+        """e.g. 'dp_shard=3 x tp=2 (= 6 ranks)'; degree-1 axes are left out."""
         shown = " x ".join(f"{a}={d}" for a, d in degrees.items() if d != 1)
-        total = 1
-        for d in degrees.values():
-            total *= abs(d)
-        return f"{shown or 'all degrees 1'} (= {total} ranks)"
+        if not total:
+            return shown
+        ranks = math.prod(abs(d) for d in degrees.values())
+        return f"{shown or 'all degrees 1'} (= {_ranks(ranks)})"
 
     # ------------------------------------------------------------------ flags
     @property
@@ -159,6 +173,16 @@ class ParallelDims:
         if name in self._flat:
             return self._flat[name]
         return self.world_mesh[name]
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards parameters on: 1-D ``dp_shard_cp``, or for HSDP the 2-D
+        ``(dp_replicate, dp_shard_cp)`` (replicate across, shard within)."""
+        shard = self.get_mesh("dp_shard_cp")
+        if not self.dp_replicate_enabled:
+            return shard
+        # Slicing a flattened axis out of the root mesh is deprecated; joining the two 1-D
+        # meshes reuses their process groups and keeps the root, which FSDP2 x TP requires.
+        return DeviceMesh._concatenate([self.world_mesh["dp_replicate"], shard])
 
     @property
     def world_mesh(self) -> DeviceMesh:
