@@ -4,9 +4,26 @@
 #   NGPU=4 LOG_RANK=0,3 CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh --training.steps 50
 #
 # NGPU         ranks on this machine (default: the number of GPUs, or 2 without a GPU)
-# LOG_RANK     ranks whose output is shown, torchrun's --local-ranks-filter (default 0)
+# LOG_RANK     ranks whose output is shown (default 0): a comma list (0,3), and/or the words
+#              `last` (the ranks holding the last pipeline stage) and `all`; e.g. LOG_RANK=0,last
 # CONFIG_FILE  TOML config (default train_configs/debug_model.toml)
 # extra args   config overrides, e.g. --parallelism.data_parallel_shard_degree 2 --metrics.log_freq 1
+#
+# Preemption (with --checkpoint.enable): torchrun forwards SIGTERM and SIGUSR1 (SLURM's
+# `--signal=USR1@120`) to every rank; the trainer saves a checkpoint at the next step boundary
+# and exits 0. torchrun kills ranks that are still running SHUTDOWN_TIMEOUT seconds (default
+# 120) after the signal, so keep it above a checkpoint save. A relaunch, or a torchrun restart
+# after a crash (add --max-restarts N via TORCHRUN_ARGS), resumes from the newest complete
+# checkpoint automatically; see docs/checkpoint.md.
+#
+# Which rank holds what: ranks are laid out on the mesh pp x dp_replicate x dp_shard x cp x tp
+# (tp innermost), so rank r sits on pp rank r // (NGPU / pp degree). Every line a rank prints
+# starts with its coordinates and, under pipeline parallel, its stage ids, e.g.
+# "[rank 7 pp=1 dp_shard=1 tp=1 stages=1,3(last)]". Pipeline stage s is on pp rank s % pp, except
+# for the V-shaped schedules (ZBVZeroBubble, DualPipeV) where pp rank r holds stages r and
+# 2*pp-1-r, so the last stage, the one that computes the loss, is on pp rank 0 there and on pp
+# rank pp-1 otherwise. Whatever the layout, every rank logs the real loss (the last stage shares
+# it at each log step), so LOG_RANK=0 is enough; `last` resolves the layout for you.
 #
 # The first run creates .venv (scripts/setup_env.sh); set TORCHTITAN_PYTHON to use another python.
 set -euo pipefail
@@ -26,6 +43,11 @@ if [[ -z "${NGPU:-}" ]]; then
     fi
 fi
 LOG_RANK="${LOG_RANK:-0}"
+if [[ "$LOG_RANK" == *last* || "$LOG_RANK" == *all* ]]; then
+    # The ranks holding the last stage depend on the schedule and degrees: ask the config.
+    LOG_RANK="$("$python" -m torchtitan.distributed.pipeline_parallel "$LOG_RANK" "$NGPU" \
+        --job.config_file "$config" "$@")"
+fi
 
 # Without GPUs the ranks share the CPU cores: give each its share of threads.
 if [[ -z "${OMP_NUM_THREADS:-}" ]] && ! "$python" -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -37,4 +59,6 @@ export HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-0}"
 exec "$python" -m torch.distributed.run \
     --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+    --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+    --shutdown-timeout "${SHUTDOWN_TIMEOUT:-120}" ${TORCHRUN_ARGS:-} \
     -m torchtitan.train --job.config_file "$config" "$@"

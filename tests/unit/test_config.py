@@ -140,7 +140,7 @@ def test_every_field_has_a_docstring() -> None:
         (["--model.flavor", "9B"], 1, "model.flavor"),
         (["--model.tokenizer_path", "/nonexistent"], 1, "model.tokenizer_path"),
         (["--lr_scheduler.decay_ratio", "1.5"], 1, "lr_scheduler.decay_ratio"),
-        (["--checkpoint.enable"], 1, "checkpoint.enable"),
+        (["--checkpoint.interval", "0"], 1, "checkpoint.interval"),
     ],
 )
 def test_validation_errors(argv: list[str], world: int, field: str) -> None:

@@ -73,6 +73,9 @@ class Training:
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps (automatic GC is disabled during training); 0 keeps automatic GC."""
 
+    nonfinite_policy: Literal["raise", "skip_step"] = "raise"
+    """What a NaN/inf loss or gradient norm does (it is reported with the step, the rank and the first parameter with a non-finite gradient): raise stops training; skip_step skips that optimizer step (the LR schedule still advances) and counts it."""
+
 
 @dataclass
 class Parallelism:
@@ -101,13 +104,16 @@ class Parallelism:
     """Pipeline schedule (GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); case-insensitive."""
 
     pipeline_parallel_microbatches: int = -1
-    """Microbatches per pipeline step; -1 uses the number of pipeline stages."""
+    """Microbatches each local batch is split into per pipeline step (at least the number of stages, dividing training.local_batch_size); -1 uses the number of pipeline stages."""
+
+    pipeline_parallel_microbatch_size: int = -1
+    """Sequences per pipeline microbatch, instead of pipeline_parallel_microbatches (local_batch_size / this microbatches); -1 leaves it to pipeline_parallel_microbatches."""
 
     pipeline_parallel_split_points: list[str] = field(default_factory=list)
-    """Layer names where a new pipeline stage starts, e.g. layers.4,layers.8; empty splits evenly."""
+    """Layer names where a new pipeline stage starts, e.g. layers.4,layers.8 (norm gives the final norm + output a stage of their own); empty splits evenly."""
 
     pipeline_parallel_layers_per_stage: int = -1
-    """Transformer layers per pipeline stage when splitting evenly; -1 derives it from the stage count."""
+    """Layers per pipeline stage when splitting evenly, the embedding and the final norm + output counting as one layer each; -1 uses one stage per rank (two for multi-stage schedules)."""
 
     context_parallel_degree: int = 1
     """Context parallel degree: the sequence is sharded over this many ranks."""
@@ -172,6 +178,24 @@ class Checkpoint:
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """Save in the background: async (a thread with its own process group) or async_with_pinned_mem (GPU)."""
 
+    load_step: int = -1
+    """Resume from exactly this step's checkpoint (an error if it is missing or corrupt); -1 resumes from the newest valid one."""
+
+    verify_checksums: bool = True
+    """Check every file's SHA-256 against the manifest before loading (reads the checkpoint once more); sizes are always checked."""
+
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of a checkpoint not to load: any of model, optimizer, lr_scheduler, dataloader, train_state (then training restarts at step 0), rng."""
+
+    initial_load_path: str = ""
+    """When the checkpoint folder holds no checkpoint yet, load initial weights from this step-N folder (e.g. made by scripts/convert_from_hf.py), or from a Hugging Face folder with initial_load_in_hf; empty starts from random weights."""
+
+    initial_load_model_only: bool = True
+    """From initial_load_path, load only the model weights (training starts at step 0); false loads everything it holds, except exclude_from_loading."""
+
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face folder (config.json + *.safetensors) whose weights are converted on load (llama3)."""
+
 
 @dataclass
 class ActivationCheckpoint:
@@ -179,13 +203,22 @@ class ActivationCheckpoint:
     """Recompute activations in backward: none, full (every block) or selective."""
 
     selective_ac_option: str = "2"
-    """For selective mode: an integer N checkpoints every Nth block; 'op' saves matmul outputs and recomputes cheap ops."""
+    """For selective mode: an integer N checkpoints every Nth block (layer ids N-1, 2N-1, ...); 'op' checkpoints every block but saves attention and every second matmul output, recomputing the cheap ops."""
 
 
 @dataclass
 class Compile:
     enable: bool = False
     """torch.compile each transformer block (fullgraph) and the loss."""
+
+    components: list[str] = field(default_factory=lambda: ["model", "loss"])
+    """What compile.enable compiles: model (each transformer block) and/or loss."""
+
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile backend: inductor generates kernels; aot_eager and eager are for debugging."""
+
+    cache_dir: str = ""
+    """Folder for inductor's compile caches, reused by later runs (sets TORCHINDUCTOR_CACHE_DIR); a relative path is under job.dump_folder; empty keeps $TORCHINDUCTOR_CACHE_DIR or inductor's default /tmp/torchinductor_<user>."""
 
 
 @dataclass
@@ -204,6 +237,12 @@ class Float8:
 
     precompute_float8_dynamic_scale_for_fsdp: bool = False
     """Compute all float8 weight scales in one all-reduce after the optimizer step (tensorwise + float8 all-gather)."""
+
+    auto_filter_small_kn: bool = True
+    """Also keep in high precision the linears too small for float8 to gain (torchao's per-recipe size thresholds, measured on H100); turn off to convert every eligible layer (small models, CPU tests)."""
+
+    emulate: bool = False
+    """Emulate the float8 matmuls in high precision (same rounding, no speed-up): for checking numerics on GPUs without float8 matmuls; always on for CPU, where torch's float8 matmul is a slow reference kernel."""
 
 
 @dataclass
@@ -238,6 +277,21 @@ class Metrics:
     save_for_all_ranks: bool = False
     """Every rank writes its own TensorBoard/W&B/JSONL metrics (default: one rank, the one holding the loss)."""
 
+    memory_warmup_steps: int = 3
+    """First steps of a run whose memory growth is expected (allocator warm-up, optimizer state): labelled warm-up in the log and not checked for leaks."""
+
+    memory_leak_window: int = 20
+    """Steps after warm-up over which the leak detector fits a memory trend (at least 8); 0 turns the detector off."""
+
+    memory_leak_min_growth_mib: float = 16.0
+    """Smallest steady growth over one leak window, in MiB, of the memory the detector watches (CUDA: allocated; CPU: C heap in use), reported as a leak; smaller trends count as noise."""
+
+    enable_memory_trace: bool = True
+    """Every rank writes each step's current and peak memory to job.dump_folder/memory/rank_<r>.jsonl."""
+
+    enable_cross_rank_view: bool = True
+    """At log steps, show the min/max over all ranks of step time, data-loading time and peak memory with the rank of each (one small all-reduce)."""
+
 
 @dataclass
 class Profiling:
@@ -248,7 +302,13 @@ class Profiling:
     """Trace folder, relative to job.dump_folder."""
 
     profile_freq: int = 100
-    """Record a trace every this many steps."""
+    """Record a trace every this many steps (the recorded steps end on its multiples)."""
+
+    profiler_warmup: int = 3
+    """Steps profiled and discarded before each recorded window (the profiler's own start-up cost)."""
+
+    profiler_active: int = 1
+    """Steps recorded in each trace."""
 
     enable_memory_snapshot: bool = False
     """Record CUDA memory-history snapshots (CUDA only)."""

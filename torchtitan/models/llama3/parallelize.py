@@ -16,8 +16,11 @@ import torch
 from torch import nn
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_policy
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.tensor_parallel import apply_tp
 
 
 def parallelize_llama(
@@ -28,15 +31,26 @@ def parallelize_llama(
     reduce_dtype: torch.dtype,
 ) -> nn.Module:
     mesh = dims.world_mesh
-    if dims.fsdp_enabled:
-        dp_mesh = (
-            mesh["dp_replicate", "dp_shard_cp"]
-            if dims.dp_replicate_enabled
-            else dims.get_mesh("dp_shard_cp")
+    # 1. Tensor parallel (with sequence and loss parallel).
+    if dims.tp_enabled:
+        par = cfg.parallelism
+        apply_tp(
+            model,
+            dims.get_mesh("tp"),
+            loss_parallel=not par.disable_loss_parallel,
+            enable_async_tp=par.enable_async_tensor_parallel,
         )
+    # 3. Activation checkpointing.
+    ac = cfg.activation_checkpoint
+    apply_ac(model, ac.mode, ac.selective_ac_option)
+    # 4. Per-block compile.
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        apply_compile(model, backend=cfg.compile.backend, tp_enabled=dims.tp_enabled)
+    # 5. Data parallel.
+    if dims.fsdp_enabled:
         apply_fsdp(
             model,
-            dp_mesh,
+            dims.fsdp_mesh(),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             reshard_after_forward=reshard_policy(

@@ -1,0 +1,154 @@
+"""The trainer's overhead: its training loop against a minimal hand-written loop.
+
+::
+
+    python benchmarks/overhead.py --steps 20 --rounds 3 -- \\
+        --job.config_file train_configs/debug_model.toml
+
+Both loops run in this one process on the same device and threads, on the same model (the
+config's model, with the same activation checkpointing and compile applied by the library's own
+``apply_*`` functions), the same batches (each reads its own instance of the same data loader)
+and the same optimizer (AdamW/Adam with the config's kernel choice), with gradient clipping.
+The minimal loop is what a person would write by hand: fetch, forward, cross-entropy, backward,
+clip, step. The trainer's loop adds loss bookkeeping, metrics and logging every
+``metrics.log_freq`` steps, memory sampling, GC control and whatever else ``Trainer.train``
+does.
+
+The two are timed in alternating rounds of ``--steps`` steps after warm-up (so a change in the
+machine's load hits both), and the median round of each is compared. The JSON line reports
+``ratio`` = minimal step time / trainer step time, i.e. the trainer's throughput as a fraction
+of the minimal loop's (goal >= 0.97). One process only (world size 1): parallelism adds
+communication, not trainer overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, overrides = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each loop first")
+    p.add_argument("--steps", type=int, default=20, help="steps per timed round")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds of each loop")
+    args = p.parse_args(own)
+
+    import torch
+
+    from torchtitan.components.dataloader import build_dataloader
+    from torchtitan.config.manager import parse_args
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.distributed.compile import apply_compile
+    from torchtitan.distributed.utils import destroy_distributed
+    from torchtitan.models import MODELS
+    from torchtitan.trainer import Trainer
+
+    total = args.warmup + args.steps * args.rounds
+    cfg = parse_args([*overrides, "--training.steps", str(total)])
+    t = cfg.training
+    if cfg.quantize.dense.float8.enable:
+        raise SystemExit("overhead.py compares plain loops; drop --quantize.dense.float8.enable")
+    trainer = Trainer(cfg)
+    if trainer.parallel_dims.world_size != 1 or trainer.grad_accum_steps != 1:
+        raise SystemExit("overhead.py runs one process without gradient accumulation")
+    device = trainer.device
+
+    # ---- the minimal loop's own model, optimizer and data
+    model = MODELS[cfg.model.name].model_cls(trainer.model_args).to(device)
+    model.init_weights(seed=cfg.debug.seed, buffer_device=device)
+    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        apply_compile(model, backend=cfg.compile.backend)
+    o = cfg.optimizer
+    opt_cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(o.implementation, {})
+    opt = opt_cls(
+        model.parameters(),
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        **impl,  # type: ignore[arg-type]
+    )
+    loader = build_dataloader(
+        dataset=t.dataset,
+        dataset_path=t.dataset_path,
+        tokenizer=trainer.tokenizer,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        dp_rank=0,
+        dp_world_size=1,
+        sharding=t.data_sharding,
+    )
+    data = iter(loader)
+    loss_fn = trainer.loss_fn  # the same (possibly compiled) loss function
+
+    def minimal_steps(n: int) -> None:
+        for _ in range(n):
+            inputs, labels = next(data)
+            inputs, labels = inputs.to(device), labels.to(device)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(inputs), labels)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
+            opt.step()
+
+    def trainer_steps(n: int) -> None:
+        cfg.training.steps = trainer.step + n
+        trainer.train()
+
+    def timed(fn, n: int) -> float:  # type: ignore[no-untyped-def]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn(n)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) / n
+
+    try:
+        trainer_steps(args.warmup)
+        minimal_steps(args.warmup)
+        ours, minimal = [], []
+        for _ in range(args.rounds):
+            ours.append(timed(trainer_steps, args.steps))
+            minimal.append(timed(minimal_steps, args.steps))
+    finally:
+        trainer.close()
+        destroy_distributed()
+    ours_s, minimal_s = statistics.median(ours), statistics.median(minimal)
+    print(
+        json.dumps(
+            {
+                "ratio": round(minimal_s / ours_s, 4),
+                "trainer_step_s": round(ours_s, 5),
+                "minimal_step_s": round(minimal_s, 5),
+                "trainer_rounds_s": [round(x, 5) for x in ours],
+                "minimal_rounds_s": [round(x, 5) for x in minimal],
+                "steps_per_round": args.steps,
+                "log_freq": cfg.metrics.log_freq,
+                "device": device.type,
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "overrides": overrides,
+            }
+        ),
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""torch.compile per transformer block (fullgraph) and of the loss.
+
+Why per block and not the whole model: every block has the same code and shapes, so dynamo
+compiles one graph and reuses it for all blocks (compile time independent of depth), FSDP2's
+per-block hooks stay outside the compiled code (each block's parameters are all-gathered by
+FSDP, then the compiled forward runs on plain local tensors), and pipeline stages, which hold
+a subset of the blocks, compile the same way.
+
+The block's ``forward`` is replaced by its compiled version instead of wrapping the module in
+``torch.compile(module)``: the module tree and parameter names stay unchanged (no ``_orig_mod.``
+segment), so checkpoints and weight maps do not depend on whether compile was on.
+
+Compile caches. Inductor writes compiled kernels and the FX-graph / AOTAutograd caches under
+``TORCHINDUCTOR_CACHE_DIR`` (default ``/tmp/torchinductor_<user>``), and a later run with the
+same model, shapes and torch version loads them instead of recompiling (first compile of a
+debug-model block on a 2-core CPU: ~16 s; warm: < 1 s). ``set_compile_cache_dir`` points that
+folder somewhere persistent (``compile.cache_dir``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.tools.logging import logger
+
+__all__ = [
+    "apply_compile",
+    "compile_loss",
+    "set_compile_cache_dir",
+    "wait_for_embedding_output",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def set_compile_cache_dir(cache_dir: str | None, base_folder: str = ".") -> str:
+    """Use ``cache_dir`` for inductor's caches (None/empty: leave the environment's choice);
+    a relative ``cache_dir`` is taken under ``base_folder``.
+
+    Returns the folder in use. Must run before the first compilation; inductor reads
+    ``TORCHINDUCTOR_CACHE_DIR`` whenever it needs the folder.
+    """
+    if cache_dir:
+        path = Path(base_folder, Path(cache_dir).expanduser()).resolve()
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    return inductor_cache_dir()
+
+
+def _wait_embedding_hook(module: nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook: finish the embedding's pending collective before the first block.
+
+    Under tensor + sequence parallel the embedding's output comes out of a reduce-scatter as a
+    DTensor whose local tensor is an ``AsyncCollectiveTensor`` (the wait is deferred until first
+    use). When that first use is inside a compiled block, the wait ends up inside the compiled
+    graph and its backward fails on torch 2.13 (pytorch#184980). Waiting here, in eager code,
+    gives the compiled block an ordinary tensor. It costs nothing: the block needs the value
+    right away anyway.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    if isinstance(output, DTensor):
+        if isinstance(output._local_tensor, funcol.AsyncCollectiveTensor):
+            # to_local / from_local are differentiable, so gradients reach the embedding.
+            waited = funcol.wait_tensor(output.to_local())
+            return DTensor.from_local(
+                waited,
+                output.device_mesh,
+                output.placements,
+                run_check=False,
+                shape=output.shape,
+                stride=output.stride(),
+            )
+        return output
+    if isinstance(output, funcol.AsyncCollectiveTensor):
+        return funcol.wait_tensor(output)
+    return output
+
+
+def wait_for_embedding_output(model: nn.Module) -> bool:
+    """Install ``_wait_embedding_hook`` on ``model.tok_embeddings`` (when the model has one)."""
+    emb = getattr(model, "tok_embeddings", None)
+    if emb is None:
+        return False
+    emb.register_forward_hook(_wait_embedding_hook)
+    return True
+
+
+def apply_compile(
+    model: nn.Module,
+    *,
+    backend: str = "inductor",
+    fullgraph: bool = True,
+    tp_enabled: bool = False,
+) -> int:
+    """Compile the forward of every block in ``model.layers`` in place; returns the count.
+
+    Apply after activation checkpointing (the recompute is then compiled too) and before
+    FSDP/DDP (their hooks stay outside the compiled forward). ``tp_enabled`` installs the
+    embedding-output wait that tensor parallel needs with compiled blocks (see
+    ``_wait_embedding_hook``).
+    """
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict):
+        raise TypeError("apply_compile expects the model's blocks in an nn.ModuleDict 'layers'")
+    for block in layers.values():
+        # An instance attribute shadows the class's forward; nn.Module.__call__ runs the
+        # module's hooks (FSDP's unshard/reshard) around it, outside the compiled region.
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)  # type: ignore[method-assign]
+    if tp_enabled:
+        wait_for_embedding_output(model)
+    logger.info(f"compiled {len(layers)} blocks (backend {backend}, fullgraph {fullgraph})")
+    return len(layers)
+
+
+def compile_loss(loss_fn: F, *, backend: str = "inductor") -> F:
+    """The loss function compiled (fuses the fp32 upcast, log-softmax and the mean)."""
+    return torch.compile(loss_fn, backend=backend, fullgraph=True)  # type: ignore[return-value]
