@@ -162,10 +162,10 @@ class Trainer:
                 ),
             )
             n_mb = self.pp_plan.n_microbatches
+            mb = t.local_batch_size // n_mb
             logger.info(
                 f"pipeline {self.pp_plan.schedule}: {self.pp_plan.num_stages} stages, {n_mb} "
-                f"microbatches of {t.local_batch_size // n_mb} sequences; "
-                f"{self.pp_plan.describe()}"
+                f"microbatches of {mb} sequence{'s' if mb > 1 else ''}; {self.pp_plan.describe()}"
             )
 
         # 5. Optimizer and LR schedule.
