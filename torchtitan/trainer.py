@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.dataloader import build_dataloader
+from torchtitan.components.dataloader import ParallelAwareDataloader, build_dataloader
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics import MetricsProcessor
@@ -62,14 +62,7 @@ class Trainer:
         self.device, world_size, self.rank = dist_utils.init_distributed(
             cfg.comm.init_timeout_seconds
         )
-        self.parallel_dims = dims = ParallelDims(
-            dp_replicate=p.data_parallel_replicate_degree,
-            dp_shard=p.data_parallel_shard_degree,
-            cp=p.context_parallel_degree,
-            tp=p.tensor_parallel_degree,
-            pp=p.pipeline_parallel_degree,
-            world_size=world_size,
-        )
+        self.parallel_dims = dims = ParallelDims.from_config(p, world_size)
         dims.build_mesh(self.device.type)
         # Pipeline split and microbatches (validated already); None without PP.
         self.pp_plan = pipeline_plan(cfg)
@@ -82,17 +75,7 @@ class Trainer:
 
         # 2. Tokenizer and data, sharded by the data-parallel coordinates only.
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        dp_mesh = dims.get_mesh("dp")
-        self.dataloader = build_dataloader(
-            dataset=t.dataset,
-            dataset_path=t.dataset_path,
-            tokenizer=self.tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            dp_rank=dp_mesh.get_local_rank(),
-            dp_world_size=dp_mesh.size(),
-            sharding=t.data_sharding,
-        )
+        self.dataloader = self._build_dataloader(t.dataset, t.dataset_path, "train", infinite=True)
         global_batch = (
             t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_degree
         )
@@ -300,31 +283,37 @@ class Trainer:
         self.metrics.add_data_time(time.perf_counter() - start)
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
-    def _build_validator(self, writers: list[MetricWriter]) -> Validator:
-        v, t, dims = self.cfg.validation, self.cfg.training, self.parallel_dims
-        dp_mesh = dims.get_mesh("dp")
-        loader = build_dataloader(
-            dataset=v.dataset,
-            dataset_path=v.dataset_path,
+    def _build_dataloader(
+        self, dataset: str, dataset_path: str | None, split: str, infinite: bool
+    ) -> ParallelAwareDataloader:
+        """A loader sharded by this rank's data-parallel coordinate only (TP/CP/PP peers share)."""
+        t, dp_mesh = self.cfg.training, self.parallel_dims.get_mesh("dp")
+        return build_dataloader(
+            dataset=dataset,
+            dataset_path=dataset_path,
             tokenizer=self.tokenizer,
             seq_len=t.seq_len,
             local_batch_size=t.local_batch_size,
             dp_rank=dp_mesh.get_local_rank(),
             dp_world_size=dp_mesh.size(),
-            split="validation",
-            infinite=False,
+            split=split,
+            infinite=infinite,
             sharding=t.data_sharding,
         )
+
+    def _build_validator(self, writers: list[MetricWriter]) -> Validator:
+        v, dims = self.cfg.validation, self.parallel_dims
+        loader = self._build_dataloader(v.dataset, v.dataset_path, "validation", infinite=False)
         return Validator(
             dataloader=loader,
             freq=v.freq,
             steps=v.steps,
             loss_fn=self.validation_loss,
-            batch_size=t.local_batch_size,
+            batch_size=self.cfg.training.local_batch_size,
             model_parts=self.model_parts,
             device=self.device,
             writers=writers,
-            dp_mesh=dp_mesh,
+            dp_mesh=dims.get_mesh("dp"),
             loss_mesh=dims.get_mesh("dp_cp"),
             pp_mesh=dims.get_mesh("pp") if dims.pp_enabled else None,
         )

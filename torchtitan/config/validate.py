@@ -157,14 +157,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
         raise ConfigError("optimizer.lr", cfg.optimizer.lr, "must be > 0", "use e.g. 3e-4")
 
     # ---- parallelism
-    dims = ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        cp=p.context_parallel_degree,
-        tp=p.tensor_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-        world_size=world_size,
-    )
+    dims = ParallelDims.from_config(p, world_size)
     pipeline_plan(cfg)  # split, schedule and microbatch checks (no-op without PP)
     if dims.cp_enabled:
         raise ConfigError(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import Parallelism
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 _FIELD = {
@@ -50,6 +51,18 @@ class ParallelDims:
     world_size: int
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+
+    @classmethod
+    def from_config(cls, p: Parallelism, world_size: int) -> ParallelDims:
+        """The degrees of a ``[parallelism]`` section on ``world_size`` ranks (validated)."""
+        return cls(
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            world_size=world_size,
+        )
 
     def __post_init__(self) -> None:
         self._validate()
