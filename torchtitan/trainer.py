@@ -108,7 +108,15 @@ class Trainer:
         # The loss function; compiled (lazily, at its first call) when compile lists it.
         self.loss_fn = cross_entropy_loss
         if cfg.compile.enable:
-            cache = set_compile_cache_dir(cfg.compile.cache_dir, base_folder=cfg.job.dump_folder)
+            # Ranks at different TP/CP coordinates compile different graphs: separate caches.
+            coords = dims.coordinates()
+            cache = set_compile_cache_dir(
+                cfg.compile.cache_dir,
+                base_folder=cfg.job.dump_folder,
+                rank_subdir=f"tp{coords['tp']}_cp{coords['cp']}"
+                if dims.tp_enabled or dims.cp_enabled
+                else None,
+            )
             logger.info(f"compile cache: {cache}")
             if "loss" in cfg.compile.components:
                 self.loss_fn = compile_loss(cross_entropy_loss, backend=cfg.compile.backend)

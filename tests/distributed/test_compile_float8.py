@@ -3,7 +3,8 @@
 * compile (1 rank, FSDP 2, with AC, with TP 2) trains like eager within an fp32 tolerance;
 * float8 tensorwise / rowwise (emulated on CPU, see docs/float8.md) stays within a float8
   tolerance of fp32 and is not identical to it (the layers really were converted);
-* FSDP 2 with float8 all-gather and the scale precompute trains like one float8 process.
+* FSDP 2 with float8 all-gather and the scale precompute, and TP 2 + compile with float8,
+  train like one float8 process.
 
 Compiled runs share an inductor cache under the system temp folder (``--compile.cache_dir``),
 so only the first run on a machine pays the cold compile (~16 s per graph on 2 cores).
@@ -56,14 +57,12 @@ def float8_1rank(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     )
 
 
-def _cache_files() -> int:
-    return sum(1 for p in Path(CACHE).rglob("*") if p.is_file()) if Path(CACHE).exists() else 0
-
-
 def test_compile_matches_eager(eager: list[float], tmp_path: Path) -> None:
     got = _run(COMPILE, 1, tmp_path)
-    assert_losses_match(eager, got, rtol=FP32_RTOL, label="compile, 1 rank")
-    assert _cache_files() > 0, f"compile.cache_dir {CACHE} is empty: nothing was compiled"
+    worst = assert_losses_match(eager, got, rtol=FP32_RTOL, label="compile, 1 rank")
+    # Inductor fuses the norms, RoPE and SwiGLU, so the rounding differs a little from eager
+    # (1.4e-7 measured); bitwise equal losses would mean nothing was compiled.
+    assert worst > 0, "compiled losses equal eager bitwise: was anything compiled?"
 
 
 @pytest.mark.slow
@@ -85,10 +84,15 @@ def test_compile_with_op_level_ac_matches_eager(eager: list[float], tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_compile_tp2_matches_eager(eager: list[float], tmp_path: Path) -> None:
-    """Per-block compile under TP + SP (the embedding-output wait of torch 2.13)."""
-    got = _run([*COMPILE, "--parallelism.tensor_parallel_degree", "2"], 2, tmp_path)
-    assert_losses_match(eager, got, rtol=FP32_RTOL, label="compile + TP 2")
+def test_compile_tp2_matches_eager_cold_and_warm(eager: list[float], tmp_path: Path) -> None:
+    """Per-block compile + compiled loss-parallel loss under TP + SP, run twice: the second run
+    loads every graph from the cache. TP ranks trace graphs with rank-specific constants that
+    torch's AOTAutograd cache does not tell apart; without per-coordinate cache folders the warm
+    run trains with wrong losses (torchtitan/distributed/compile.py)."""
+    for attempt in ("first", "warm"):
+        got = _run([*COMPILE, "--parallelism.tensor_parallel_degree", "2"], 2, tmp_path / attempt)
+        assert_losses_match(eager, got, rtol=FP32_RTOL, label=f"compile + TP 2 ({attempt} run)")
+    assert (Path(CACHE) / "tp0_cp0").is_dir() and (Path(CACHE) / "tp1_cp0").is_dir()
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -120,6 +124,7 @@ def test_float8_fsdp2_all_gather_precompute(
 
 
 @pytest.mark.slow
-def test_float8_compile_matches_float8_eager(float8_1rank: list[float], tmp_path: Path) -> None:
-    got = _run([*FLOAT8, *COMPILE], 1, tmp_path)
-    assert_losses_match(float8_1rank, got, rtol=1e-3, label="float8 + compile vs float8 eager")
+def test_float8_tp2_compile_matches_float8_eager(float8_1rank: list[float], tmp_path: Path) -> None:
+    """Float8 linears sharded by the TP plan (amax all-reduced over the TP group), compiled."""
+    got = _run([*FLOAT8, *COMPILE, "--parallelism.tensor_parallel_degree", "2"], 2, tmp_path)
+    assert_losses_match(float8_1rank, got, rtol=1e-3, label="float8 + TP 2 + compile vs float8")

@@ -208,7 +208,7 @@ def test_cross_rank_view_validation_writers_profiler(
     argv += ["--metrics.save_for_all_ranks"]
     argv += ["--profiling.enable_profiling", "--profiling.profile_freq", "2"]
     argv += ["--profiling.profiler_warmup", "1"]
-    hooks = {"straggle_s": 0.2, "hog_mib": 256}
+    hooks = {"straggle_s": 0.2, "hog_mib": 512}
     r0, r1 = run_ranks(_run, 2, argv, str(tmp_path), hooks)
 
     # Training and validation match one process (the hooks and observers change no numbers).
@@ -245,7 +245,7 @@ def test_cross_rank_view_validation_writers_profiler(
         assert m["data_time_s"] < 0.1  # rank 0's own value looks healthy
         assert m["ranks/memory_peak_gib_max_rank"] == 1
         gap = m["ranks/memory_peak_gib_max"] - m["ranks/memory_peak_gib_min"]
-        assert gap > 0.2, gap  # the 256 MiB rank 1 holds
+        assert gap > 0.3, gap  # the 512 MiB rank 1 holds, less rank 0's writers (~70 MiB)
         assert m["ranks/step_time_s_min"] <= m["ranks/step_time_s_max"]
     line = [msg for msg in r0["messages"] if msg.startswith("step      4")][0]
     print(line)

@@ -154,3 +154,7 @@ def test_compile_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     got = set_compile_cache_dir("inductor_cache", base_folder=str(tmp_path / "dump"))
     assert got == str(tmp_path / "dump" / "inductor_cache")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == got and Path(got).is_dir()
+    # TP/CP coordinates get their own subfolder (once, however often it is called).
+    for _ in range(2):
+        sub = set_compile_cache_dir("inductor_cache", str(tmp_path / "dump"), rank_subdir="tp1_cp0")
+        assert sub == str(tmp_path / "dump" / "inductor_cache" / "tp1_cp0") and Path(sub).is_dir()

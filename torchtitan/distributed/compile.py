@@ -15,6 +15,15 @@ Compile caches. Inductor writes compiled kernels and the FX-graph / AOTAutograd 
 same model, shapes and torch version loads them instead of recompiling (first compile of a
 debug-model block on a 2-core CPU: ~16 s; warm: < 1 s). ``set_compile_cache_dir`` points that
 folder somewhere persistent (``compile.cache_dir``).
+
+One folder per tensor/context-parallel coordinate. Under tensor parallel, ranks trace graphs
+that differ only in constants baked in from their mesh coordinate: the loss-parallel
+cross-entropy compares labels with this rank's vocabulary range (``labels >= 0``/``< 1024`` on
+tp rank 0, ``>= 1024``/``< 2048`` on tp rank 1). torch 2.13's AOTAutograd cache keys the graph
+before DTensor is lowered, so both ranks get the same key, and on a warm cache a rank can load
+the other's graph: training then runs with silently wrong losses (measured: step-1 loss 13.1
+instead of 8.1 on TP 2). ``set_compile_cache_dir(..., rank_subdir="tp1_cp0")`` gives every
+such coordinate its own folder; data-parallel ranks (identical graphs) still share one.
 """
 
 from __future__ import annotations
@@ -40,20 +49,27 @@ __all__ = [
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def set_compile_cache_dir(cache_dir: str | None, base_folder: str = ".") -> str:
-    """Use ``cache_dir`` for inductor's caches (None/empty: leave the environment's choice);
-    a relative ``cache_dir`` is taken under ``base_folder``.
+def set_compile_cache_dir(
+    cache_dir: str | None, base_folder: str = ".", rank_subdir: str | None = None
+) -> str:
+    """Use ``cache_dir`` for inductor's caches (None/empty: keep ``$TORCHINDUCTOR_CACHE_DIR`` or
+    inductor's default); a relative ``cache_dir`` is taken under ``base_folder``.
+    ``rank_subdir``: a subfolder for ranks whose graphs embed their mesh coordinate (see the
+    module docstring), e.g. ``tp1_cp0``.
 
     Returns the folder in use. Must run before the first compilation; inductor reads
     ``TORCHINDUCTOR_CACHE_DIR`` whenever it needs the folder.
     """
-    if cache_dir:
-        path = Path(base_folder, Path(cache_dir).expanduser()).resolve()
-        path.mkdir(parents=True, exist_ok=True)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
 
-    return inductor_cache_dir()
+    if cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
+            Path(base_folder, Path(cache_dir).expanduser()).resolve()
+        )
+    current = Path(inductor_cache_dir())
+    if rank_subdir and current.name != rank_subdir:  # (idempotent)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(current / rank_subdir)
+    return inductor_cache_dir()  # creates the folder
 
 
 def _wait_embedding_hook(module: nn.Module, args: Any, output: Any) -> Any:
