@@ -24,6 +24,7 @@ from torch import nn
 
 from torchtitan.distributed.init_weights import ParamInit, init_params_deterministic
 from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.models.llama3.kv_cache import KVCache, LayerKVCache
 
 
 def _scale_rope_freqs(
@@ -124,18 +125,22 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.core = CausalAttentionCore()
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: LayerKVCache | None = None
+    ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1, not n_heads: under tensor parallel these hold only this rank's heads.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis)
+        if cache is not None:  # generation: attend to the cached positions too
+            xk, xv = cache.update(xk, xv)
         n_rep = xq.shape[2] // xk.shape[2]
         q = xq.transpose(1, 2)
         k = repeat_kv(xk, n_rep).transpose(1, 2)
         v = repeat_kv(xv, n_rep).transpose(1, 2)
-        out = self.core(q, k, v)  # [B, H, S, Dh]
+        out = self.core(q, k, v) if cache is None else cache.attend(q, k, v)  # [B, H, S, Dh]
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
 
@@ -164,8 +169,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: LayerKVCache | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -237,10 +244,17 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return self
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """``tokens``: int ids ``[B, S]`` (or hidden states ``[B, S, dim]`` when this stage has no
         embedding). ``positions``: global token positions for RoPE, int64 ``[S]`` or ``[B, S]``;
         default ``arange(S)``. Returns logits ``[B, S, vocab]`` (or hidden states, see class doc).
+        ``cache``: generation only (``kv_cache.py``); ``tokens`` then continue the cached
+        sequence and ``positions`` must say where.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
@@ -248,8 +262,8 @@ class Transformer(nn.Module):
             freqs_cis = self.freqs_cis[:seqlen]
         else:
             freqs_cis = self.freqs_cis[positions]
-        for layer in self.layers.values():
-            h = layer(h, freqs_cis)
+        for key, layer in self.layers.items():
+            h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(key))
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -1,0 +1,258 @@
+"""Sample text from a trained checkpoint, with a KV cache, on CPU or GPU, optionally with TP.
+
+    python scripts/generate.py outputs/debug_model/checkpoint --prompt "Once upon a time"
+    python scripts/generate.py hf_folder --hf --prompt "..." --temperature 0.8 --top_k 50
+    torchrun --nproc_per_node 2 scripts/generate.py CKPT --tp 2 --prompt "..."
+
+``CKPT`` is a ``step-N`` folder written by the trainer (only its model weights are read), or the
+checkpoint root holding them (the newest valid one is used), or with ``--hf`` a Hugging Face
+folder (``config.json`` + ``*.safetensors``, read through the Llama 3 state-dict adapter). The
+model shape comes from ``--flavor`` (DCP; the vocabulary size from the weights) or from
+``config.json`` (HF). Sampling: greedy (``--temperature 0``, the default), or softmax at a
+temperature, optionally restricted to the ``--top_k`` most likely tokens; ``--seed`` makes
+sampling reproducible. ``--no_kv_cache`` recomputes the whole prefix for every token (slow;
+it exists to check the cache). With ``--tp N`` (under torchrun, N ranks) the model is split
+with the training TP plan and every rank samples the same tokens. See docs/generation.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchtitan.components import checkpoint_io as io  # noqa: E402
+from torchtitan.components.tokenizer import build_tokenizer  # noqa: E402
+from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
+from torchtitan.models.llama3.kv_cache import KVCache  # noqa: E402
+from torchtitan.models.llama3.model import Transformer  # noqa: E402
+from torchtitan.models.llama3.state_dict_adapter import (  # noqa: E402
+    Llama3StateDictAdapter,
+    args_from_hf_config,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------- weights
+def load_weights(path: Path, hf: bool, flavor: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """Model args and the full (unsharded) native state dict of a checkpoint, in this process."""
+    if hf:
+        from safetensors.torch import load_file
+
+        args = args_from_hf_config(json.loads((path / "config.json").read_text()))
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path} holds no *.safetensors files")
+        hf_sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            hf_sd.update(load_file(str(f)))
+        return args, Llama3StateDictAdapter(args).from_hf(hf_sd)
+    if not (path / ".metadata").is_file():  # the checkpoint root: take the newest valid step
+        found = io.find_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"no valid step-N checkpoint under {path}")
+        path = found.path
+    with warnings.catch_warnings():  # DCP notes that it reads without a process group
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        sd = io.read_model_weights(path)
+    args = dataclasses.replace(
+        LLAMA3_FLAVORS[flavor], vocab_size=sd["tok_embeddings.weight"].shape[0]
+    )
+    return args, sd
+
+
+def build_model(
+    args: ModelArgs,
+    sd: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: int = 1,
+) -> nn.Module:
+    """The model with ``sd`` loaded, in eval mode; split over a ``tp`` mesh when ``tp > 1``."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    if tp > 1:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from torchtitan.distributed.tensor_parallel import apply_tp
+
+        mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
+        # Logits gathered to every rank (no loss parallel): each rank samples from them.
+        apply_tp(model, mesh, loss_parallel=False)
+        model.to_empty(device=device)
+        # Every rank holds the full weights and keeps its shards.
+        full: dict[str, Any] = dict(sd)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+    else:
+        model.to_empty(device=device)
+        model.load_state_dict(sd, strict=True)
+    model.init_buffers(device)  # type: ignore[operator]
+    with warnings.catch_warnings():
+        # nn.Module.to casts the complex RoPE table too; Transformer._apply recomputes it.
+        warnings.filterwarnings("ignore", message="Casting complex values to real")
+        model.to(dtype)
+    return model.eval()
+
+
+# ---------------------------------------------------------------- sampling
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Next token ids ``[B]`` from last-position logits ``[B, vocab]``."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    # Sample on the CPU generator so that the same seed gives the same tokens on any device.
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    use_cache: bool = True,
+    eos_id: int | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """``prompt`` ``[B, S]`` followed by up to ``max_new_tokens`` sampled ids (``[B, S + n]``).
+
+    With ``use_cache`` the prompt is run once (the prefill) and each new token is one forward
+    of a single position; without it every step recomputes the whole sequence. Generation stops
+    early when every row has produced ``eos_id``. Under TP (``tp_group``) rank 0's token is
+    broadcast so all ranks continue the same sequence.
+    """
+    generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    device = prompt.device
+    tokens = prompt
+    cache = KVCache(prompt.shape[1] + max_new_tokens) if use_cache else None
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=device)
+    for _ in range(max_new_tokens):
+        if cache is None:
+            logits = model(tokens)
+        else:
+            new = tokens[:, cache.length :]
+            positions = torch.arange(cache.length, tokens.shape[1], device=device)
+            logits = model(new, positions, cache)
+        nxt = sample_next(logits[:, -1], temperature, top_k, generator)
+        if tp_group is not None:
+            dist.broadcast(nxt, group_src=0, group=tp_group)
+        if eos_id is not None:
+            nxt = torch.where(done, eos_id, nxt)
+            done |= nxt == eos_id
+        tokens = torch.cat([tokens, nxt[:, None]], dim=1)
+        if eos_id is not None and bool(done.all()):
+            break
+    return tokens
+
+
+# ---------------------------------------------------------------- command line
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("checkpoint", type=Path, help="step-N folder, checkpoint root, or HF folder")
+    p.add_argument("--hf", action="store_true", help="the checkpoint is a Hugging Face folder")
+    p.add_argument("--flavor", default="debugmodel", choices=sorted(LLAMA3_FLAVORS))
+    p.add_argument("--tokenizer", default="tests/assets/tokenizer", help="model.tokenizer_path")
+    p.add_argument("--prompt", default="", help="text to continue (BOS is prepended)")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest; 0: all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop_at_eos", action="store_true", help="stop after the EOS token")
+    p.add_argument("--no_kv_cache", action="store_true", help="recompute the prefix each step")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (under torchrun)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
+    p.add_argument("--json", action="store_true", help="print one JSON object (ids and text)")
+    a = p.parse_args(argv)
+    if a.max_new_tokens < 1 or a.top_k < 0 or a.temperature < 0:
+        p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
+
+    dev_type = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if a.tp != world:
+        p.error(
+            f"--tp {a.tp} needs exactly {a.tp} processes (torchrun --nproc_per_node {a.tp}); got {world}"
+        )
+    rank = 0
+    if a.tp > 1:
+        dist.init_process_group("nccl" if dev_type == "cuda" else "gloo")
+        rank = dist.get_rank()
+    device = torch.device("cpu")
+    if dev_type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dtype = (
+        (torch.bfloat16 if dev_type == "cuda" else torch.float32)
+        if a.dtype == "auto"
+        else _DTYPES[a.dtype]
+    )
+
+    tokenizer = build_tokenizer(a.tokenizer)
+    args, sd = load_weights(a.checkpoint, a.hf, a.flavor)
+    if tokenizer.vocab_size > args.vocab_size:
+        p.error(
+            f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {args.vocab_size}"
+        )
+    ids = tokenizer.encode(a.prompt, bos=True, eos=False)
+    args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, len(ids) + a.max_new_tokens))
+    model = build_model(args, sd, device, dtype, tp=a.tp)
+    del sd
+
+    prompt = torch.tensor([ids], dtype=torch.long, device=device)
+    t0 = time.perf_counter()
+    out = generate(
+        model,
+        prompt,
+        a.max_new_tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        seed=a.seed,
+        use_cache=not a.no_kv_cache,
+        eos_id=tokenizer.eos_id if a.stop_at_eos else None,
+        tp_group=dist.group.WORLD if a.tp > 1 else None,
+    )
+    elapsed = time.perf_counter() - t0
+    new_ids = out[0, len(ids) :].tolist()
+    if rank == 0:
+        text = tokenizer.decode(new_ids)
+        if a.json:
+            print(json.dumps({"prompt_ids": ids, "ids": new_ids, "text": text, "seconds": elapsed}))
+        else:
+            print(a.prompt + text)
+            print(
+                f"[{len(new_ids)} tokens in {elapsed:.2f} s, {len(new_ids) / elapsed:.1f} tokens/s; "
+                f"{'KV cache' if not a.no_kv_cache else 'no cache'}, {device}, {dtype}, tp {a.tp}]",
+                file=sys.stderr,
+            )
+    if a.tp > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
