@@ -32,6 +32,7 @@ from torchtitan.config.manager import to_toml
 from torchtitan.config.validate import pipeline_plan
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss, set_compile_cache_dir
+from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.float8 import apply_float8, register_float8_precompute_hook
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline, split_model
@@ -157,6 +158,17 @@ class Trainer:
             logger.info(
                 f"pipeline {self.pp_plan.schedule}: {self.pp_plan.num_stages} stages, {n_mb} "
                 f"microbatches of {mb} sequence{'s' if mb > 1 else ''}; {self.pp_plan.describe()}"
+            )
+
+        # Context parallel: each rank trains on its load-balanced share of every sequence.
+        self.cp: ContextParallel | None = None
+        if dims.cp_enabled:
+            p = cfg.parallelism
+            self.cp = ContextParallel(
+                dims.get_mesh("cp"),
+                p.context_parallel_method,
+                self.model_parts,
+                rotate_method=p.context_parallel_rotate_method,
             )
 
         # 5. Optimizer and LR schedule.
@@ -336,7 +348,7 @@ class Trainer:
             # back). pipeline_loss divides each microbatch's mean by microbatches x accumulation.
             pipe = self.pipeline
             losses: list[torch.Tensor] | None = [] if pipe.has_last else None
-            with self.train_context():
+            with self.train_context(), self.sequence_share(inputs, labels) as (inputs, labels):
                 pipe.schedule.eval(
                     *((inputs,) if pipe.has_first else ()),
                     target=labels if pipe.has_last else None,
@@ -347,9 +359,18 @@ class Trainer:
                 return None
             mean = torch.stack([x.detach() for x in losses]).sum() * self.grad_accum_steps
             return dist_utils.local_tensor(mean) * labels.numel(), labels.numel()
-        with self.train_context():
+        with self.train_context(), self.sequence_share(inputs, labels) as (inputs, labels):
             loss = self.loss_fn(self.model(inputs), labels)
         return dist_utils.local_tensor(loss.detach()) * labels.numel(), labels.numel()
+
+    def sequence_share(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> contextlib.AbstractContextManager[tuple[torch.Tensor, torch.Tensor]]:
+        """A context around forward (and backward) yielding the inputs and labels this rank
+        computes on: the whole batch, or under context parallel its share of every sequence."""
+        if self.cp is None:
+            return contextlib.nullcontext((inputs, labels))
+        return self.cp.batch(inputs, labels)
 
     def train_context(self) -> contextlib.ExitStack:
         """Contexts around forward, loss and backward: autocast where no FSDP/DDP policy casts
@@ -379,14 +400,14 @@ class Trainer:
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward, loss and backward of one microbatch; returns the detached, scaled loss."""
         if self.pipeline is not None:
-            with self.train_context():
+            with self.train_context(), self.sequence_share(inputs, labels) as (inputs, labels):
                 loss = self.pipeline.step(inputs, labels)
             # Only the last stage has a loss. Elsewhere this zero stays in the rank's running sum
             # and is never shown: at log steps the metrics take the last stage's values.
             if loss is None:
                 return torch.zeros((), device=self.device)
             return dist_utils.local_tensor(loss)
-        with self.train_context():
+        with self.train_context(), self.sequence_share(inputs, labels) as (inputs, labels):
             logits = self.model(inputs)
             # Scale so the accumulated gradient is the mean over the whole global batch.
             loss = self.loss_fn(logits, labels) / self.grad_accum_steps

@@ -116,7 +116,13 @@ class Parallelism:
     """Layers per pipeline stage when splitting evenly, the embedding and the final norm + output counting as one layer each; -1 uses one stage per rank (two for multi-stage schedules)."""
 
     context_parallel_degree: int = 1
-    """Context parallel degree: the sequence is sharded over this many ranks."""
+    """Context parallel degree: every sequence is split over this many ranks (head-tail load balanced; seq_len must be divisible by 2 x this)."""
+
+    context_parallel_method: Literal["allgather", "ring"] = "allgather"
+    """How attention sees the whole sequence under context parallel: allgather (K/V all-gathered over cp, exact, any device) or ring (torch's experimental ring attention, CUDA only)."""
+
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """For context_parallel_method ring: how torch rotates the K/V shards between cp ranks."""
 
 
 @dataclass

@@ -5,6 +5,7 @@ Each failure is a ConfigError naming the field, the value, the rule and a fix.
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -159,14 +160,8 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     # ---- parallelism
     dims = ParallelDims.from_config(p, world_size)
     pipeline_plan(cfg)  # split, schedule and microbatch checks (no-op without PP)
-    if dims.cp_enabled:
-        raise ConfigError(
-            "parallelism.context_parallel_degree",
-            dims.cp,
-            "context parallel is not available yet",
-            "set it to 1",
-        )
     _validate_tensor_parallel(cfg, dims.tp)
+    _validate_context_parallel(cfg, dims.cp, dims.tp)
 
     per_step = t.local_batch_size * dims.dp_degree
     if t.global_batch_size != -1 and (
@@ -299,6 +294,43 @@ def _validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
             f"sequence parallel splits the sequence over tensor_parallel_degree={tp} ranks, so "
             "it must be divisible by it",
             f"use a multiple of {tp}, e.g. {cfg.training.seq_len // tp * tp or tp}",
+        )
+
+
+def _validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
+    """The model supports CP, the sequence splits into 2 x cp chunks (and each rank's share
+    over TP for sequence parallel), ring attention only on CUDA."""
+    from torchtitan.models import MODELS
+
+    if cp < 2:
+        return
+    field, p = "parallelism.context_parallel_degree", cfg.parallelism
+    if not MODELS[cfg.model.name].supports_context_parallel:
+        raise ConfigError(
+            field,
+            cp,
+            f"model {cfg.model.name} does not support context parallel (its attention cannot "
+            "be computed on a sharded sequence)",
+            "set it to 1",
+        )
+    seq = cfg.training.seq_len
+    step = math.lcm(2 * cp, cp * tp)
+    if seq % step != 0:
+        why = f"2 x cp = {2 * cp}" if tp == 1 else f"2 x cp = {2 * cp} and by cp x tp = {cp * tp}"
+        raise ConfigError(
+            "training.seq_len",
+            seq,
+            f"context parallel splits every sequence into 2 x {cp} load-balanced chunks (and "
+            f"sequence parallel splits each rank's share over tp), so it must be divisible by {why}",
+            f"use a multiple of {step}, e.g. {max(step, seq // step * step)}",
+        )
+    if p.context_parallel_method == "ring" and not torch.cuda.is_available():
+        raise ConfigError(
+            "parallelism.context_parallel_method",
+            "ring",
+            "torch's ring attention (torch.distributed.tensor.experimental.context_parallel) "
+            "needs CUDA: torch 2.13 has no sharding rule for CPU scaled_dot_product_attention",
+            "use --parallelism.context_parallel_method allgather (exact, any device)",
         )
 
 

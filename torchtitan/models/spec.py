@@ -18,3 +18,8 @@ class ModelSpec:
     """Builds the model from its args (called under the meta device)."""
     parallelize: Callable[..., nn.Module]
     """The per-model plan: (model, parallel_dims, job_config, device) -> model with TP/CP/AC/compile/FSDP applied."""
+    state_dict_adapter: Callable[[Any], Any] | None = None
+    """Builds, from the model args, the converter between our state dict and Hugging Face's
+    (``to_hf``/``from_hf`` on full tensors); None when the family has no Hugging Face format."""
+    supports_context_parallel: bool = False
+    """The attention can run on a sequence sharded over cp (parallelize applies apply_cp)."""

@@ -18,9 +18,11 @@ from torch import nn
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
+from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_policy
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
+from torchtitan.models.llama3.args import ModelArgs
 
 
 def parallelize_llama(
@@ -39,6 +41,15 @@ def parallelize_llama(
             dims.get_mesh("tp"),
             loss_parallel=not par.disable_loss_parallel,
             enable_async_tp=par.enable_async_tensor_parallel,
+        )
+    # 2. Context parallel: K/V gathered over cp, RoPE by global positions.
+    if dims.cp_enabled:
+        args: ModelArgs = model.args  # type: ignore[assignment]
+        apply_cp(
+            model,
+            dims.get_mesh("cp"),
+            n_rep=args.n_heads // args.kv_heads,
+            method=cfg.parallelism.context_parallel_method,
         )
     # 3. Activation checkpointing.
     ac = cfg.activation_checkpoint

@@ -1,0 +1,207 @@
+"""Context parallel: the sequence of every sample is split over the ``cp`` mesh axis.
+
+Layout (head-tail load balancing). The sequence of ``S`` tokens is cut into ``2 * cp`` chunks of
+``c = S / (2 * cp)`` tokens; cp rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, in that
+order. Under causal attention chunk ``g`` attends to ``g + 1`` chunks of keys, so every rank does
+the same work: ``(r + 1) + (2 * cp - r) = 2 * cp + 1`` chunk pairs (a plain split would give the
+last rank ``2 * cp - 1`` times the first rank's work).
+
+Two methods (``parallelism.context_parallel_method``):
+
+* ``allgather`` (default, any device): inputs, labels and RoPE positions are sharded as above;
+  each attention layer all-gathers K and V over ``cp`` (autograd: the backward reduce-scatters
+  their gradients) and masks causally by *global* positions. Exact: the same softmax as one
+  process, up to floating-point reduction order. Queries stay local, so activation memory per
+  rank falls with ``cp``; only one layer's full K/V is alive at a time.
+* ``ring`` (CUDA only): torch's experimental ``context_parallel`` (ring attention, K/V rotated
+  with ``context_parallel_rotate_method``), which patches SDPA and shards inputs, labels and the
+  RoPE table in place for the duration of forward and backward. On torch 2.13 it has no sharding
+  rule for CPU SDPA, hence a ConfigError there.
+
+The loss is a mean over each rank's tokens (equal counts on every cp rank), and FSDP shards and
+averages gradients over ``dp_shard x cp``, so the gradient is the global-batch mean as without CP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_single
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "AllGatherKVAttention",
+    "ContextParallel",
+    "apply_cp",
+    "chunk_order",
+    "load_balanced_positions",
+    "shard_sequence",
+    "unshard_sequence",
+]
+
+
+def load_balanced_positions(
+    seq_len: int, cp: int, rank: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Global positions (int64 ``[seq_len / cp]``) of the tokens cp rank ``rank`` holds."""
+    c = seq_len // (2 * cp)
+    head = torch.arange(rank * c, (rank + 1) * c, device=device)
+    tail_start = (2 * cp - 1 - rank) * c
+    tail = torch.arange(tail_start, tail_start + c, device=device)
+    return torch.cat([head, tail])
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's chunks ``rank`` and ``2 * cp - 1 - rank`` of ``x`` along ``dim``."""
+    chunks = x.chunk(2 * cp, dim=dim)
+    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=dim)
+
+
+def chunk_order(cp: int) -> list[int]:
+    """Where global chunk ``g`` sits in the rank-ordered gather ``[r0 head, r0 tail, r1 head, ...]``."""
+    return [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
+
+
+def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of ``shard_sequence``: the full sequence from every rank's shard (rank order)."""
+    cp = len(shards)
+    pieces = [p for s in shards for p in s.chunk(2, dim=dim)]
+    return torch.cat([pieces[i] for i in chunk_order(cp)], dim=dim)
+
+
+class AllGatherKVAttention(nn.Module):
+    """Causal attention over the whole sequence for this rank's load-balanced queries.
+
+    Takes ``q, k, v`` as ``[B, H, L, Dh]`` with ``L = S / cp`` (this rank's two chunks); K and V
+    arrive with grouped-query heads already repeated ``n_rep`` times by the model, so only every
+    ``n_rep``-th head is gathered (n_rep times less traffic) and the repeat is done after.
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh, n_rep: int) -> None:
+        super().__init__()
+        self.cp_mesh = cp_mesh
+        self.cp = cp_mesh.size()
+        self.rank = cp_mesh.get_local_rank()
+        self.n_rep = n_rep
+        self.order = chunk_order(self.cp)
+
+    def extra_repr(self) -> str:
+        return f"cp={self.cp}, rank={self.rank}, n_rep={self.n_rep}"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cp, n_rep = self.cp, self.n_rep
+        bs, _, local_len, head_dim = k.shape
+        c = local_len // 2
+        # One collective for K and V, sequence first: [L, 2, B, Hkv, Dh] -> [cp * L, ...].
+        kv = torch.stack((k[:, ::n_rep], v[:, ::n_rep])).movedim(3, 0).contiguous()
+        gathered = all_gather_single(kv, 0, self.cp_mesh)
+        # Rank order [r0 head, r0 tail, r1 head, ...] -> global chunk order 0..2cp-1.
+        chunks = gathered.view(2 * cp, c, *kv.shape[1:])
+        full = chunks[torch.tensor(self.order, device=kv.device)].flatten(0, 1)
+        full = full.movedim(0, 3)  # [2, B, Hkv, S, Dh]
+        k_all, v_all = full[0], full[1]
+        if n_rep > 1:
+            k_all = k_all.repeat_interleave(n_rep, dim=1)
+            v_all = v_all.repeat_interleave(n_rep, dim=1)
+        outs = []
+        for slot, g in enumerate((self.rank, 2 * cp - 1 - self.rank)):
+            # Chunk g's queries see keys 0 .. (g + 1) * c - 1, the last chunk causally.
+            q_g = q[:, :, slot * c : (slot + 1) * c]
+            k_g, v_g = k_all[:, :, : (g + 1) * c], v_all[:, :, : (g + 1) * c]
+            if g == 0:  # square: plain causal attention
+                outs.append(F.scaled_dot_product_attention(q_g, k_g, v_g, is_causal=True))
+            else:
+                # SDPA turns a boolean mask into a float one and saves it for backward:
+                # c x (g + 1) c x 4 bytes per chunk, quadratic in seq_len. Recomputing the
+                # masked attention in backward keeps only q, k, v (one more attention forward).
+                outs.append(checkpoint(_masked_chunk, q_g, k_g, v_g, g * c, use_reentrant=False))
+        return torch.cat(outs, dim=2)
+
+
+def _masked_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
+    """Attention of queries at global positions ``offset ..`` over keys ``0 ..``, causally."""
+    q_pos = torch.arange(offset, offset + q.shape[2], device=q.device)
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _positions_hook(cp: int, rank: int):  # type: ignore[no-untyped-def]
+    """A forward pre-hook giving the model this rank's global RoPE positions."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if len(args) == 1 and kwargs.get("positions") is None:
+            local_len = args[0].shape[1]
+            kwargs["positions"] = load_balanced_positions(
+                local_len * cp, cp, rank, device=args[0].device
+            )
+        return args, kwargs
+
+    return hook
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, n_rep: int, method: str) -> None:
+    """Make ``model`` (a whole model or a pipeline stage of one) context parallel.
+
+    ``allgather``: every block's ``attention.core`` becomes an ``AllGatherKVAttention`` and the
+    model's forward receives this rank's global positions (a pre-hook), so RoPE rotates each
+    token by where it sits in the full sequence. ``ring``: nothing changes in the model; the
+    trainer runs forward and backward inside ``ContextParallel.batch``.
+    """
+    if method == "ring":
+        return
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    for block in model.layers.values():  # type: ignore[union-attr,operator]
+        block.attention.core = AllGatherKVAttention(cp_mesh, n_rep)
+    model.register_forward_pre_hook(_positions_hook(cp, rank), with_kwargs=True)
+
+
+class ContextParallel:
+    """What the trainer does with a batch under CP: ``with cp.batch(inputs, labels) as (i, l):``
+    runs forward and backward on this rank's share of the sequence."""
+
+    def __init__(
+        self,
+        cp_mesh: DeviceMesh,
+        method: str,
+        model_parts: list[nn.Module],
+        rotate_method: str = "allgather",
+    ) -> None:
+        self.mesh = cp_mesh
+        self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        self.method = method
+        self.model_parts = model_parts
+        if method == "ring":
+            from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+            set_rotate_method(rotate_method)
+
+    @contextlib.contextmanager
+    def batch(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.method != "ring":
+            yield (
+                shard_sequence(inputs, self.cp, self.rank),
+                shard_sequence(labels, self.cp, self.rank),
+            )
+            return
+        from torch.distributed.tensor.experimental import context_parallel
+
+        # torch shards these in place (same head-tail layout) and restores the RoPE tables.
+        tables = [
+            t
+            for p in self.model_parts
+            if isinstance(t := getattr(p, "freqs_cis", None), torch.Tensor)
+        ]
+        with context_parallel(
+            self.mesh,
+            buffers=[inputs, labels, *tables],
+            buffer_seq_dims=[1, 1, *([0] * len(tables))],
+            no_restore_buffers={inputs, labels},
+        ):
+            yield inputs, labels
