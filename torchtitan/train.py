@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from torchtitan.config.errors import ConfigError
@@ -18,6 +19,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if cfg.job.explain:  # the preflight plan, then exit: no process group, no training
+        from torchtitan.config.validate import world_size_from_env
+        from torchtitan.plan.explain import explain
+
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(explain(cfg, world_size_from_env()))
+        return 0
 
     from torchtitan.distributed.utils import destroy_distributed
     from torchtitan.trainer import Trainer

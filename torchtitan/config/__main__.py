@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(to_toml(cfg))
+    if cfg.job.explain:
+        from torchtitan.plan.explain import explain
+
+        print(explain(cfg, world_size))
     return 0
 
 

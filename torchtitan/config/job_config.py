@@ -25,6 +25,9 @@ class Job:
     print_config: bool = False
     """Log the fully resolved config (TOML) at start-up."""
 
+    explain: bool = False
+    """Print the preflight plan (mesh axes, per-rank batch and tokens, gradient accumulation, pipeline stages and bubble, memory estimate, warnings) and exit without training; needs no process group."""
+
 
 @dataclass
 class Model:

@@ -1,0 +1,1 @@
+"""Plan before you launch: memory estimator, parallelism planner, preflight explain."""

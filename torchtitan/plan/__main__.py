@@ -1,0 +1,141 @@
+"""``python -m torchtitan.plan --job.config_file F --world_size N --device_memory_gib M [...]``.
+
+Enumerates parallel layouts for the config's model and global batch on ``N`` devices, drops
+those whose memory estimate does not fit, and prints the fastest (see
+``torchtitan/plan/planner.py`` for the cost model) with the override line that runs each.
+
+Planner options (everything else is a config override, as for ``torchtitan.train``):
+  --world_size N            devices in the job (required)
+  --device_memory_gib M     memory per device (required)
+  --nodes K                 nodes (default: N / 8, at least 1); devices per node = N / K
+  --top T                   layouts to print (default 5)
+  --device NAME             look the dense bf16 peak up in the datasheet table (default H100 SXM)
+  --peak_tflops X           peak TFLOP/s per device instead of --device
+  --mfu F                   fraction of the peak the matmuls reach (default 0.5)
+  --intra_node_gbps B       collective bandwidth per device inside a node, GB/s (default 450)
+  --inter_node_gbps B       ... across nodes, GB/s (default 25)
+  --vocab_size V            vocabulary for the estimate (default: the tokenizer's, else the flavor's)
+Exit status: 0 with at least one fitting layout, 1 when none fits, 2 on a bad argument.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.manager import parse_args
+from torchtitan.plan.estimator import format_bytes, model_args_for
+from torchtitan.plan.planner import Hardware, plan
+from torchtitan.tools.peak_flops import DATASHEET_PEAK_TFLOPS
+
+_OPTIONS = {
+    "--world_size": int,
+    "--device_memory_gib": float,
+    "--nodes": int,
+    "--top": int,
+    "--device": str,
+    "--peak_tflops": float,
+    "--mfu": float,
+    "--intra_node_gbps": float,
+    "--inter_node_gbps": float,
+    "--vocab_size": int,
+}
+
+
+def _take_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
+    found: dict[str, object] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        key, _, inline = argv[i].partition("=")
+        if key in _OPTIONS:
+            text = inline if inline else (argv[i + 1] if i + 1 < len(argv) else "")
+            try:
+                found[key[2:]] = _OPTIONS[key](text)
+            except ValueError:
+                raise ValueError(f"{key} needs a {_OPTIONS[key].__name__}, got {text!r}") from None
+            i += 1 if inline else 2
+        else:
+            rest.append(argv[i])
+            i += 1
+    return found, rest
+
+
+def device_peak_tflops(name: str) -> float:
+    """Dense bf16 datasheet peak of a device named like torch.cuda.get_device_name()."""
+    import re
+
+    for pattern, peaks in DATASHEET_PEAK_TFLOPS:
+        if re.search(pattern, name, flags=re.IGNORECASE) and "bf16" in peaks:
+            return peaks["bf16"]
+    known = ", ".join(p for p, _ in DATASHEET_PEAK_TFLOPS)
+    raise ValueError(
+        f"--device {name!r} is not in the datasheet table ({known}); give --peak_tflops"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    try:
+        opts, rest = _take_options(argv)
+        for required in ("world_size", "device_memory_gib"):
+            if required not in opts:
+                raise ValueError(f"--{required} is required")
+        world_size = int(opts["world_size"])  # type: ignore[call-overload]
+        nodes = int(opts.get("nodes", max(1, world_size // 8)))  # type: ignore[call-overload]
+        if world_size < 1 or nodes < 1 or world_size % nodes:
+            raise ValueError(f"--nodes {nodes} must divide --world_size {world_size}")
+        peak = (
+            float(opts["peak_tflops"])  # type: ignore[arg-type]
+            if "peak_tflops" in opts
+            else device_peak_tflops(str(opts.get("device", "H100 SXM")))
+        )
+        hw = Hardware(
+            memory_gib=float(opts["device_memory_gib"]),  # type: ignore[arg-type]
+            peak_tflops=peak,
+            gpus_per_node=world_size // nodes,
+        )
+        for name in ("mfu", "intra_node_gbps", "inter_node_gbps"):
+            if name in opts:
+                hw = replace(hw, **{name: float(opts[name])})  # type: ignore[arg-type]
+        cfg = parse_args(rest, validate=False)
+        vocab = opts.get("vocab_size")
+        args = model_args_for(cfg, vocab_size=int(vocab) if vocab is not None else None)  # type: ignore[call-overload]
+        results, n_layouts, too_big = plan(cfg, args, world_size, hw)
+    except (ValueError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    top = int(opts.get("top", 5))  # type: ignore[call-overload]
+    print(
+        f"{cfg.model.name} {cfg.model.flavor} ({args.num_params() / 1e9:.2f} B parameters, vocab "
+        f"{args.vocab_size}), seq_len {cfg.training.seq_len}, global batch "
+        f"{results[0].layout.global_batch_size if results else '?'} sequences on {world_size} "
+        f"devices ({nodes} node(s) x {hw.gpus_per_node}), {hw.memory_gib:g} GiB and "
+        f"{hw.peak_tflops:g} TFLOP/s each"
+    )
+    print(
+        f"{n_layouts} layouts enumerated, {too_big} do not fit in "
+        f"{(1 - hw.headroom) * hw.memory_gib:.0f} GiB ({hw.headroom:.0%} headroom), "
+        f"{len(results)} ranked"
+    )
+    if not results:
+        print("no layout fits: more devices, more memory per device, or a shorter sequence")
+        return 1
+    for i, r in enumerate(results[:top], start=1):
+        print(
+            f"\n#{i}  {r.layout.describe()}\n"
+            f"    predicted {r.tokens_per_s_per_device:,.0f} tokens/s per device, step "
+            f"{r.step_time_s:.2f} s, memory {format_bytes(r.memory.total)} per device"
+        )
+        for reason in r.reasons:
+            print(f"    - {reason}")
+        print("    run with: " + " ".join(r.layout.overrides()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Preflight explain (``--job.explain``): what a validated config will do, before any process group.
+
+Printed by ``python -m torchtitan.train`` (then it exits 0 without training) and by
+``python -m torchtitan.config`` (after the resolved TOML): the device mesh with every axis, the
+batch and tokens each rank sees, gradient accumulation, pipeline stages and bubble, the memory
+estimate, and warnings about choices that usually cost speed or memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.config.validate import pipeline_plan
+from torchtitan.distributed.parallel_dims import AXES, ParallelDims
+from torchtitan.plan.estimator import (
+    GIB,
+    MemoryEstimate,
+    estimate_memory,
+    in_flight_microbatches,
+    model_args_for,
+)
+
+_AXIS_TEXT = {
+    "pp": "pipeline stages",
+    "dp_replicate": "model replicas (DDP / HSDP replicate)",
+    "dp_shard": "FSDP shards",
+    "cp": "sequence shards (context parallel)",
+    "tp": "tensor-parallel shards",
+}
+
+
+def pipeline_bubble(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
+    """Idle fraction of a pipeline step relative to its busy time: (pp - 1) / (v * m)."""
+    return (pp - 1) / (stages_per_rank * microbatches)
+
+
+def explain(
+    cfg: JobConfig,
+    world_size: int,
+    device_type: str | None = None,
+    device_memory_bytes: int | None = None,
+) -> str:
+    """The preflight report of a validated config on ``world_size`` ranks."""
+    if device_type is None:
+        from torchtitan.distributed.utils import device_type as detect
+
+        device_type = detect()
+    t, p = cfg.training, cfg.parallelism
+    dims = ParallelDims.from_config(p, world_size)
+    args = model_args_for(cfg)
+    plan = pipeline_plan(cfg)
+    lines: list[str] = []
+    warnings: list[str] = []
+    add = lines.append
+
+    add(
+        f"== preflight: {cfg.job.description} ({cfg.model.name} {cfg.model.flavor}, "
+        f"{args.num_params() / 1e6:,.1f} M parameters, vocab {args.vocab_size})"
+    )
+    add(f"world size {world_size} on {device_type}; mesh (outermost to innermost):")
+    stride = world_size
+    for axis in AXES:
+        degree = getattr(dims, axis)
+        stride //= degree
+        add(f"  {axis:>12} = {degree:<4} {_AXIS_TEXT[axis]}; neighbours are {stride} rank(s) apart")
+    add(
+        f"  FSDP shards parameters over dp_shard x cp = {dims.dp_shard * dims.cp} rank(s); "
+        f"data loading over dp_replicate x dp_shard = {dims.dp_degree}"
+    )
+
+    global_batch = (
+        t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_degree
+    )
+    accum = global_batch // (t.local_batch_size * dims.dp_degree)
+    seq_rank = t.seq_len // dims.cp
+    add("batch:")
+    add(
+        f"  global {global_batch} sequences x {t.seq_len} tokens = "
+        f"{global_batch * t.seq_len:,} tokens per optimizer step"
+    )
+    add(
+        f"  per data-parallel rank: {t.local_batch_size} sequences per micro-step x "
+        f"{accum} gradient-accumulation step(s)"
+    )
+    add(
+        f"  per rank: {t.local_batch_size} x {seq_rank} tokens = {t.local_batch_size * seq_rank:,} "
+        f"tokens per micro-step"
+        + (f" (sequence split over cp={dims.cp})" if dims.cp > 1 else "")
+        + (f"; the {dims.tp} TP ranks of a group share them" if dims.tp > 1 else "")
+    )
+    if plan is not None:
+        mb = t.local_batch_size // plan.n_microbatches
+        bubble = pipeline_bubble(
+            plan.schedule, plan.pp_degree, plan.stages_per_rank, plan.n_microbatches
+        )
+        add(
+            f"pipeline: {plan.schedule}, {plan.num_stages} stages ({plan.stages_per_rank} per rank), "
+            f"{plan.n_microbatches} microbatches of {mb} sequence(s)"
+        )
+        add(f"  {plan.describe()}")
+        add(
+            f"  bubble: (pp - 1) / (stages per rank x microbatches) = {bubble:.1%} of the busy "
+            f"time; in flight on pp rank 0: "
+            f"{in_flight_microbatches(plan, 0)} microbatch-stage(s)"
+        )
+        if plan.n_microbatches < 2 * plan.num_stages:
+            warnings.append(
+                f"pipeline microbatches ({plan.n_microbatches}) below 2 x stages "
+                f"({2 * plan.num_stages}): the bubble is {bubble:.0%}; use more microbatches "
+                "(a larger local batch or --parallelism.pipeline_parallel_microbatches)"
+            )
+    est = estimate_memory(cfg, world_size, device_type=device_type, model_args=args)
+    add("memory per rank (estimate):")
+    add("\n".join("  " + line for line in est.table().splitlines()))
+    warnings += _warnings(cfg, dims, est, accum, device_type, device_memory_bytes)
+    if warnings:
+        add("warnings:")
+        lines += [f"  - {w}" for w in warnings]
+    else:
+        add("warnings: none")
+    return "\n".join(lines)
+
+
+def _warnings(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    est: MemoryEstimate,
+    accum: int,
+    device_type: str,
+    device_memory_bytes: int | None,
+) -> list[str]:
+    out: list[str] = []
+    if device_memory_bytes is None and device_type == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            device_memory_bytes = torch.cuda.get_device_properties(0).total_memory
+    if device_memory_bytes is not None and est.total > device_memory_bytes:
+        out.append(
+            f"the estimate ({est.total / GIB:.1f} GiB) exceeds the device memory "
+            f"({device_memory_bytes / GIB:.1f} GiB): expect out-of-memory; try activation "
+            "checkpointing, more FSDP shards, or `python -m torchtitan.plan`"
+        )
+    if dims.fsdp_enabled and accum > 1 and not dims.pp_enabled:
+        out.append(
+            f"{accum} gradient-accumulation steps under FSDP all-gather the parameters again on "
+            "every micro-step; a larger local batch (if it fits) moves less data"
+        )
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if dims.tp > 1 and local_world and dims.tp * dims.cp > local_world:
+        out.append(
+            f"tp x cp = {dims.tp * dims.cp} is more than the {local_world} ranks of a node: the "
+            "per-layer activation collectives would cross nodes"
+        )
+    if dims.ddp_enabled and est.parameters > 4 * GIB:
+        out.append(
+            "DDP keeps a full copy of parameters, gradients and optimizer state on every rank; "
+            "FSDP (data_parallel_shard_degree) divides them"
+        )
+    return out
