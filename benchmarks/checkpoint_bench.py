@@ -1,12 +1,16 @@
 """Checkpoint save/load times and async overlap, one process, CPU or GPU.
 
-    python benchmarks/checkpoint_bench.py [--flavors debug,large] [--steps 6]
+    python benchmarks/checkpoint_bench.py [--flavors debug,large] [--steps 4] [--repeat 3]
 
 For each model (``debug``: the debug model; ``large``: the same with dim 1024 and 8 layers)
 it builds the model and AdamW state, then measures with the real CheckpointManager:
-a synchronous save, a load, an async save's blocking part (staging a CPU copy) and its
-background write, and the training step time with and without a background write in flight
-(the overlap). Prints one JSON line per model.
+a synchronous save, a load, an async save's blocking part (staging a CPU copy), its
+background write (timed to the end of the training step during which it finished), its commit
+at the next step boundary (SHA-256 of the files, manifest, rename: blocking), and the training
+step time with and without a background write in flight
+(the overlap). Each measurement is repeated ``--repeat`` times; the JSON line per model gives
+the median (and the min/max under ``*_range``), since a shared machine is noisy. Also prints
+``uptime``'s load average at the start and the end.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +48,11 @@ class _NoData:
         pass
 
 
-def bench(name: str, steps: int, seq_len: int = 64, batch: int = 4) -> dict:
+def _summary(xs: list[float]) -> tuple[float, list[float]]:
+    return round(statistics.median(xs), 3), [round(min(xs), 3), round(max(xs), 3)]
+
+
+def bench(name: str, steps: int, repeat: int, seq_len: int = 64, batch: int = 4) -> dict:
     args = dataclasses.replace(FLAVORS[name], max_seq_len=seq_len)
     model = Transformer(args)
     model.init_weights(seed=0)  # type: ignore[operator]
@@ -77,52 +87,79 @@ def bench(name: str, steps: int, seq_len: int = 64, batch: int = 4) -> dict:
             )
 
         sync = manager("disabled")
-        t0 = time.perf_counter()
-        sync.save(1, 0)
-        save_s = time.perf_counter() - t0
+        saves, loads = [], []
+        for r in range(repeat):
+            t0 = time.perf_counter()
+            sync.save(r + 1, 0)
+            saves.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            sync.load()  # the newest: step r + 1, checksums verified
+            loads.append(time.perf_counter() - t0)
         size = sum(f.stat().st_size for f in (Path(tmp) / "disabled" / "step-1").iterdir())
-        t0 = time.perf_counter()
-        sync.load()
-        load_s = time.perf_counter() - t0
         sync.close()
 
         plain = [train_step() for _ in range(steps)]
         asy = manager("async")
-        t0 = time.perf_counter()
-        asy.save(2, 0)
-        blocking_s = time.perf_counter() - t0
-        assert asy._pending is not None
-        overlapped = []
-        while not asy._pending[1].done():
-            overlapped.append(train_step())
-        write_s = time.perf_counter() - t0 - blocking_s
+        blocking, writes, commits, overlapped = [], [], [], []
+        for r in range(repeat):
+            t0 = time.perf_counter()
+            asy.save(r + 1, 0)
+            blocking.append(time.perf_counter() - t0)
+            assert asy._pending is not None
+            while not asy._pending[1].done():
+                overlapped.append(train_step())
+            writes.append(time.perf_counter() - t0 - blocking[-1])
+            t0 = time.perf_counter()
+            asy._finish_pending()  # at the next step boundary: digest own files, commit
+            commits.append(time.perf_counter() - t0)
         asy.close()
+    save_s, save_range = _summary(saves)
+    load_s, load_range = _summary(loads)
+    blocking_s, blocking_range = _summary(blocking)
+    write_s, write_range = _summary(writes)
+    commit_s, commit_range = _summary(commits)
     return {
         "model": name,
         "params": sum(p.numel() for p in model.parameters()),
         "checkpoint_MB": round(size / 2**20, 1),
-        "sync_save_s": round(save_s, 3),
-        "load_s": round(load_s, 3),
-        "async_blocking_s": round(blocking_s, 3),
-        "async_background_write_s": round(write_s, 3),
+        "repeat": repeat,
+        "sync_save_s": save_s,
+        "sync_save_s_range": save_range,
+        "load_s": load_s,
+        "load_s_range": load_range,
+        "async_blocking_s": blocking_s,
+        "async_blocking_s_range": blocking_range,
+        "async_background_write_s": write_s,
+        "async_background_write_s_range": write_range,
+        "async_commit_s": commit_s,
+        "async_commit_s_range": commit_range,
         "steps_overlapped": len(overlapped),
-        "step_s_plain": round(sum(plain) / len(plain), 4),
-        "step_s_during_async_write": round(sum(overlapped) / max(len(overlapped), 1), 4),
+        "step_s_plain": round(statistics.median(plain), 4),
+        "step_s_during_async_write": round(statistics.median(overlapped), 4)
+        if overlapped
+        else None,
         "threads": torch.get_num_threads(),
     }
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--flavors", default="debug,large")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=3)
     a = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
+        print(json.dumps({"uptime_start": _uptime()}), flush=True)
         for name in a.flavors.split(","):
-            print(json.dumps(bench(name, a.steps)), flush=True)
+            print(json.dumps(bench(name, a.steps, a.repeat)), flush=True)
+        print(json.dumps({"uptime_end": _uptime()}), flush=True)
     finally:
         torch.distributed.destroy_process_group()
     return 0

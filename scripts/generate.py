@@ -61,7 +61,7 @@ def load_weights(path: Path, hf: bool, flavor: str) -> tuple[ModelArgs, dict[str
             hf_sd.update(load_file(str(f)))
         return args, Llama3StateDictAdapter(args).from_hf(hf_sd)
     if not (path / ".metadata").is_file():  # the checkpoint root: take the newest valid step
-        found = io.find_checkpoint(path)
+        found = io.find_checkpoint(path, skip_exports=False)  # the final export is the model
         if found is None:
             raise FileNotFoundError(f"no valid step-N checkpoint under {path}")
         path = found.path

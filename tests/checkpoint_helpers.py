@@ -61,10 +61,12 @@ def train_with_faults(
     if kill_in_commit_of_step is not None and rank == kill_rank:
         commit = CheckpointManager._commit
 
-        def commit_or_die(self: CheckpointManager, step: int) -> None:
+        def commit_or_die(
+            self: CheckpointManager, step: int, kind: str = "full", mine: Any = None
+        ) -> None:
             if step == kill_in_commit_of_step:
                 os.kill(os.getpid(), signal.SIGKILL)
-            commit(self, step)
+            commit(self, step, kind, mine)
 
         CheckpointManager._commit = commit_or_die  # type: ignore[method-assign]
     rc = main(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *argv])

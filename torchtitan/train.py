@@ -32,7 +32,12 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = Trainer(cfg)
     try:
-        trainer.train()
+        if cfg.checkpoint.create_seed_checkpoint:
+            # One process, all degrees 1 (validated): save the initial weights, no training.
+            assert trainer.checkpointer is not None
+            trainer.checkpointer.save_seed()
+        else:
+            trainer.train()
     finally:
         trainer.close()
         destroy_distributed()

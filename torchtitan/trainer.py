@@ -37,7 +37,6 @@ from torchtitan.distributed.float8 import apply_float8, register_float8_precompu
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline, split_model
 from torchtitan.models import MODELS
-from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.memory import DeviceMemoryMonitor
 from torchtitan.tools.memory_monitor import MemoryMonitor
@@ -283,9 +282,11 @@ class Trainer:
                 initial_load_path=ck.initial_load_path,
                 initial_load_model_only=ck.initial_load_model_only,
                 initial_load_in_hf=ck.initial_load_in_hf,
-                hf_adapter=Llama3StateDictAdapter(self.model_args)
-                if ck.initial_load_in_hf
+                hf_adapter=spec.state_dict_adapter(self.model_args)
+                if ck.initial_load_in_hf and spec.state_dict_adapter is not None
                 else None,
+                last_save_model_only=ck.last_save_model_only,
+                export_dtype=getattr(torch, ck.export_dtype),
             )
             resumed = self.checkpointer.load()
             if resumed is not None:

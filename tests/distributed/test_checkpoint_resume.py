@@ -1,9 +1,10 @@
 """Tier 3: checkpoints on gloo ranks: bitwise resume, preemption, kill -9, async, resharding.
 
-Every case compares against one uninterrupted FSDP 2 run of 6 steps that checkpoints at steps
-3 and 6 (``straight``): losses of the resumed steps and the final checkpoint (model, optimizer,
-LR scheduler, data position, RNG) must be bitwise identical, except across a change of world
-size where floating-point reduction order changes and losses must agree to 1e-5.
+Every case compares against an uninterrupted run of 6 steps that checkpoints at steps 3 and 6
+(``straight`` for FSDP 2, :func:`straight_run` for the other layouts): losses of the resumed
+steps and the final checkpoint (model, optimizer, LR scheduler, data position, RNG) must be
+bitwise identical under the same layout; across a change of layout or world size the
+floating-point reduction order changes and losses must agree to 1e-5.
 """
 
 from __future__ import annotations
@@ -115,12 +116,80 @@ def test_reshard_fsdp4_to_fsdp2(straight: tuple[list[dict], Path], tmp_path: Pat
     assert_losses_match(losses(ref)[3:], losses(resumed), rtol=1e-5, label="FSDP 4 -> FSDP 2")
 
 
-def test_single_process_bitwise_resume(tmp_path: Path) -> None:
-    """One process: 6 straight steps == 3 steps + resume from step 3 + 3 steps."""
-    straight_dump, resumed_dump = tmp_path / "straight", tmp_path / "resumed"
-    ref = _run(1, ckpt_argv("--training.local_batch_size", "8"), straight_dump)
-    shutil.copytree(_ckpt(straight_dump, 3), _ckpt(resumed_dump, 3))
-    resumed = _run(1, ckpt_argv("--training.local_batch_size", "8"), resumed_dump)
+# Layouts for bitwise resume and resharding: (world size, overrides). The global batch is 8
+# sequences in every one, so all of them see the same data at every step.
+PP2 = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"]
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "one process": (1, ["--training.local_batch_size", "8"]),
+    "FSDP 2 x TP 2": (4, [*FSDP2, "--parallelism.tensor_parallel_degree", "2"]),
+    "PP 2": (2, PP2),
+    "PP 2 x FSDP 2": (4, [*PP2[:2], *FSDP2]),
+    "TP 2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+}
+_STRAIGHT: dict[str, tuple[list[dict], Path]] = {}
+
+
+def straight_run(layout: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    """The uninterrupted 6-step run of ``layout`` (checkpoints at 3 and 6), once per session."""
+    if layout not in _STRAIGHT:
+        world, overrides = LAYOUTS[layout]
+        dump = tmp_path_factory.mktemp("straight_" + layout.replace(" ", ""))
+        metrics = _run(world, ckpt_argv(*overrides), dump)
+        assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+        _STRAIGHT[layout] = (metrics, dump)
+    return _STRAIGHT[layout]
+
+
+def _resume_from(src: Path, layout: str, dump: Path) -> list[dict]:
+    """Copy the step-3 checkpoint ``src`` into a fresh dump folder and train steps 4..6 there
+    under ``layout``."""
+    shutil.copytree(src, _ckpt(dump, 3))
+    world, overrides = LAYOUTS[layout]
+    resumed = _run(world, ckpt_argv(*overrides), dump)
     assert [m["step"] for m in resumed] == [4, 5, 6]
-    assert losses(resumed) == losses(ref)[3:]
-    assert_checkpoints_identical(_ckpt(straight_dump, 6), _ckpt(resumed_dump, 6))
+    return resumed
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "one process",
+        pytest.param("FSDP 2 x TP 2", marks=pytest.mark.slow),
+        pytest.param("PP 2", marks=pytest.mark.slow),
+        pytest.param("PP 2 x FSDP 2", marks=pytest.mark.slow),
+    ],
+)
+def test_bitwise_resume(
+    layout: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """6 straight steps == 3 steps + resume from step 3 + 3 steps, under ``layout``: the same
+    losses and grad norms bit for bit, and an identical step-6 checkpoint (parameters,
+    optimizer state, LR scheduler, data position, RNG of every rank)."""
+    ref, ref_dump = straight_run(layout, tmp_path_factory)
+    resumed = _resume_from(_ckpt(ref_dump, 3), layout, tmp_path)
+    assert losses(resumed) == losses(ref)[3:], (losses(resumed), losses(ref)[3:])
+    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in ref[3:]]
+    n = assert_checkpoints_identical(_ckpt(ref_dump, 6), _ckpt(tmp_path, 6))
+    print(f"{layout}: 3 steps + resume + 3 steps == 6 steps; {n} checkpoint entries identical")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "saved_by, loaded_by",
+    [("FSDP 2 x TP 2", "TP 2"), ("FSDP 2", "PP 2")],
+)
+def test_reshard_across_layouts(
+    saved_by: str,
+    loaded_by: str,
+    straight: tuple[list[dict], Path],
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
+) -> None:
+    """The step-3 checkpoint of one layout resumes under another whose data-parallel degree is
+    1 instead of 2: steps 4..6 must match the uninterrupted run of the saving layout (to 1e-5:
+    reduction orders differ). The data position carries over, or the losses would differ."""
+    ref, ref_dump = straight if saved_by == "FSDP 2" else straight_run(saved_by, tmp_path_factory)
+    resumed = _resume_from(_ckpt(ref_dump, 3), loaded_by, tmp_path)
+    assert_losses_match(
+        losses(ref)[3:], losses(resumed), rtol=1e-5, label=f"{saved_by} -> {loaded_by}"
+    )

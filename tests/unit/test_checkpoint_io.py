@@ -26,7 +26,7 @@ def caplog_titan(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     logger.removeHandler(caplog.handler)
 
 
-def _save(root: Path, step: int, payload: bytes = b"x" * 1000) -> Path:
+def _save(root: Path, step: int, payload: bytes = b"x" * 1000, kind: str = "full") -> Path:
     """A fake committed checkpoint: what a DCP save leaves, then io.commit."""
     tmp = io.tmp_dir(root, step)
     tmp.mkdir(parents=True)
@@ -34,7 +34,7 @@ def _save(root: Path, step: int, payload: bytes = b"x" * 1000) -> Path:
     (tmp / "__0_0.distcp").write_bytes(payload + str(step).encode())
     (tmp / "__1_0.distcp").write_bytes(payload[::-1])
     files = io.digest_files(tmp, prefix="__1_")  # as rank 1 would report; rank 0 digests the rest
-    return io.commit(root, step, files, world_size=2)
+    return io.commit(root, step, files, world_size=2, kind=kind)
 
 
 def test_commit_renames_and_lists_every_file(tmp_path: Path) -> None:
@@ -109,6 +109,59 @@ def test_commit_replaces_an_existing_corrupt_folder(tmp_path: Path) -> None:
     assert io.verify(tmp_path / "step-5") is None
 
 
+def test_resume_skips_a_model_only_export(tmp_path: Path) -> None:
+    """last_save_model_only's final checkpoint has no optimizer/data/RNG: resume uses the
+    newest full (or seed) checkpoint before it, and load_step naming the export is an error."""
+    _save(tmp_path, 0, kind="seed")
+    assert io.find_checkpoint(tmp_path) == io.Found(0, tmp_path / "step-0")
+    _save(tmp_path, 3)
+    _save(tmp_path, 6, kind="export")
+    assert io.kind(tmp_path / "step-6") == "export" and io.kind(tmp_path / "step-0") == "seed"
+    assert io.find_checkpoint(tmp_path) == io.Found(3, tmp_path / "step-3")
+    assert io.find_checkpoint(tmp_path, skip_exports=False) == io.Found(6, tmp_path / "step-6")
+    with pytest.raises(RuntimeError, match="model-only export"):
+        io.find_checkpoint(tmp_path, load_step=6)
+    # keep_latest_k counts resumable checkpoints only: the export never pushes step-3 out.
+    assert [p.name for p in io.purge(tmp_path, keep_latest_k=1, newest=6)] == ["step-0"]
+    assert io.complete_steps(tmp_path) == [3, 6]
+
+
+def _seed_cfg(tmp_path: Path) -> JobConfig:
+    cfg = JobConfig()
+    cfg.job.dump_folder = str(tmp_path)
+    cfg.checkpoint.enable = True
+    cfg.checkpoint.create_seed_checkpoint = True
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "field, value, world, match",
+    [
+        ("parallelism.data_parallel_shard_degree", 2, 1, "parallelism.data_parallel_shard_degree"),
+        ("parallelism.tensor_parallel_degree", 2, 1, "parallelism.tensor_parallel_degree"),
+        ("parallelism.pipeline_parallel_degree", 2, 1, "parallelism.pipeline_parallel_degree"),
+        ("parallelism.data_parallel_shard_degree", -1, 2, "runs on one process"),
+        ("checkpoint.enable", False, 1, "add --checkpoint.enable"),
+    ],
+)
+def test_seed_checkpoint_config_errors(
+    tmp_path: Path, field: str, value: object, world: int, match: str
+) -> None:
+    cfg = _seed_cfg(tmp_path)
+    section, name = field.split(".")
+    setattr(getattr(cfg, section), name, value)
+    with pytest.raises(ConfigError, match=match) as e:
+        validate_config(cfg, world_size=world)
+    assert "Fix:" in str(e.value)
+
+
+def test_seed_checkpoint_refuses_a_folder_with_checkpoints(tmp_path: Path) -> None:
+    validate_config(_seed_cfg(tmp_path), world_size=1)
+    _save(tmp_path / "checkpoint", 4)
+    with pytest.raises(ConfigError, match="already holds checkpoints"):
+        validate_config(_seed_cfg(tmp_path), world_size=1)
+
+
 @pytest.mark.parametrize(
     "field, value, match",
     [
@@ -117,6 +170,7 @@ def test_commit_replaces_an_existing_corrupt_folder(tmp_path: Path) -> None:
         ("load_step", -2, "checkpoint.load_step"),
         ("folder", "", "checkpoint.folder"),
         ("async_mode", "async_with_pinned_mem", "needs CUDA"),
+        ("export_dtype", "bfloat16", "add --checkpoint.last_save_model_only"),
     ],
 )
 def test_checkpoint_config_errors(field: str, value: object, match: str) -> None:

@@ -9,6 +9,10 @@ One checkpoint per saved step, ``<dump_folder>/<checkpoint.folder>/step-N/``, ho
 - ``dataloader``: each data-parallel rank's position (``dp_rank_<r>``) and ``dp_world_size``;
 - ``rng``: every rank's RNG states (``rank_<r>``): torch CPU (and CUDA), Python ``random``.
 
+Two model-only kinds hold just ``model`` (the manifest says which): the ``seed`` checkpoint of
+step 0 (:meth:`CheckpointManager.save_seed`, one process) and the ``export`` of the last step
+(``last_save_model_only``, weights cast to ``export_dtype``), which resume skips.
+
 Writing and checking the folder is :mod:`torchtitan.components.checkpoint_io` (temporary name,
 manifest with sizes and SHA-256, one rename when all ranks are done). All coordination runs on
 a gloo group of its own; an asynchronous save gets a second one, used only by its thread,
@@ -23,7 +27,7 @@ import random
 import shutil
 import signal
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
 
@@ -158,8 +162,11 @@ class CheckpointManager:
         initial_load_model_only: bool = True,
         initial_load_in_hf: bool = False,
         hf_adapter: Any = None,
+        last_save_model_only: bool = False,
+        export_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.root = root
+        self.last_save_model_only, self.export_dtype = last_save_model_only, export_dtype
         self.interval, self.keep_latest_k, self.total_steps = interval, keep_latest_k, total_steps
         self.async_mode, self.load_step = async_mode, load_step
         self.model_parts, self.optimizer = model_parts, optimizer
@@ -175,7 +182,14 @@ class CheckpointManager:
         # Coordination group (main thread only) and the background save's group.
         self.pg = dist.new_group(backend="gloo")
         self.async_pg = dist.new_group(backend="gloo") if async_mode != "disabled" else None
+        # (step, future of this rank's file digests): the background thread writes, then
+        # hashes what this rank wrote, so the commit at a step boundary only gathers digests.
         self._pending: tuple[int, Future] | None = None
+        self._digester = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-digest")
+            if async_mode != "disabled"
+            else None
+        )
         # Pinned host buffers, allocated at the first save and reused (CUDA only; validated).
         self._stager = (
             DefaultStager(StagingOptions(True, False, False, True))
@@ -202,6 +216,14 @@ class CheckpointManager:
             "dataloader": self.dataloader.state_dict(),
             "rng": {f"rank_{self.rank}": rng_state()},
         }
+
+    def _model_only(self, dtype: torch.dtype | None) -> dict[str, Any]:
+        """``{"model": ...}`` with floating-point entries cast to ``dtype`` (None: as trained);
+        DTensors stay sharded (``DTensor.to`` casts each shard)."""
+        sd = model_state_dict(self.model_parts)
+        if dtype is not None:
+            sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        return {"model": sd}
 
     # ------------------------------------------------------------ load
     def load(self) -> dict[str, int] | None:
@@ -252,10 +274,24 @@ class CheckpointManager:
         if "rng" in components:
             rng_key = f"rank_{self.rank}" if f"rng.rank_{self.rank}" in saved else "rank_0"
             sd["rng"] = {rng_key: b""}
+        own_params = (
+            [g["params"] for g in sd["optimizer"]["param_groups"]] if "optimizer" in sd else []
+        )
         dcp.load(sd, checkpoint_id=str(path), process_group=self.pg)
         if "model" in sd:
             load_model_state_dict(self.model_parts, sd["model"])
         if "optimizer" in sd:
+            # ``param_groups`` holds no tensors, so DCP stores one copy of it (one rank's). Under
+            # PP each rank's groups list only its own stages' parameters: keep this rank's
+            # names and take the loaded hyperparameters (lr, betas, ...).
+            groups = sd["optimizer"]["param_groups"]
+            if len(groups) != len(own_params):
+                raise RuntimeError(
+                    f"checkpoint {path}: {len(groups)} optimizer param groups, this optimizer "
+                    f"has {len(own_params)}"
+                )
+            for group, names in zip(groups, own_params):
+                group["params"] = names
             load_optimizer_state_dict(self.model_parts, self.optimizer, sd["optimizer"])
         if "lr_scheduler" in sd:
             self.lr_scheduler.load_state_dict(pickle.loads(sd["lr_scheduler"]))
@@ -298,6 +334,9 @@ class CheckpointManager:
         preempted, pending_busy = self._agree()
         if self._pending is not None and not pending_busy:
             self._finish_pending()
+        if step == self.total_steps and self.last_save_model_only:
+            self.save(step, tokens_seen, blocking=True, kind="export")
+            return preempted
         if preempted:
             logger.warning(f"checkpoint: preemption signal; saving step {step} and stopping")
             self.save(step, tokens_seen, blocking=True)
@@ -315,7 +354,15 @@ class CheckpointManager:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.pg)
         return bool(flags[0]), bool(flags[1])
 
-    def save(self, step: int, tokens_seen: int, blocking: bool = False) -> None:
+    def save_seed(self) -> Path:
+        """Save the model's current (initial) weights as the model-only ``seed`` checkpoint of
+        step 0 (checkpoint.create_seed_checkpoint; one process, validated)."""
+        self.save(0, 0, blocking=True, kind="seed")
+        return io.step_dir(self.root, 0)
+
+    def save(self, step: int, tokens_seen: int, blocking: bool = False, kind: str = "full") -> None:
+        """Save step ``step``: everything (``full``), or only the model (``seed``: as is;
+        ``export``: cast to ``export_dtype``). Model-only saves are always synchronous."""
         if self._pending is not None:
             self._finish_pending()
         t0 = time.perf_counter()
@@ -325,48 +372,62 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         dist.barrier(group=self.pg)
-        sd = self._state_dict(step, tokens_seen)
-        if self.async_mode == "disabled" or blocking:
+        if kind == "full":
+            sd = self._state_dict(step, tokens_seen)
+        else:
+            sd = self._model_only(self.export_dtype if kind == "export" else None)
+        if self.async_mode == "disabled" or blocking or kind != "full":
             dcp.save(sd, checkpoint_id=str(tmp), process_group=self.pg)
-            self._commit(step)
+            self._commit(step, kind)
             self.last_save_blocking_s = time.perf_counter() - t0
-            logger.info(f"checkpoint: saved step {step} in {self.last_save_blocking_s:.2f} s")
+            what = {
+                "full": "",
+                "seed": " (seed: model only)",
+                "export": f" (export: model only, {self.export_dtype})",
+            }[kind]
+            logger.info(f"checkpoint: saved step {step}{what} in {self.last_save_blocking_s:.2f} s")
             return
         result = dcp.async_save(
             sd, checkpoint_id=str(tmp), process_group=self.async_pg, async_stager=self._stager
         )
         future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
-        self._pending = (step, future)
+        assert self._digester is not None
+        self._pending = (step, self._digester.submit(self._write_then_digest, future, tmp))
         self.last_save_blocking_s = time.perf_counter() - t0
         logger.info(
             f"checkpoint: step {step} staged in {self.last_save_blocking_s:.2f} s; "
             "writing in the background"
         )
 
+    def _write_then_digest(self, write: Future, tmp: Path) -> dict[str, Any]:
+        write.result()
+        return io.digest_files(tmp, prefix=f"__{self.rank}_")
+
     def _finish_pending(self) -> None:
         assert self._pending is not None
         step, future = self._pending
         self._pending = None
         t0 = time.perf_counter()
-        future.result()
-        self._commit(step)
+        self._commit(step, "full", future.result())
         logger.info(
             f"checkpoint: background save of step {step} committed (waited "
             f"{time.perf_counter() - t0:.2f} s)"
         )
 
-    def _commit(self, step: int) -> None:
-        """Every rank digests the files it wrote; rank 0 writes the manifest, renames the
-        folder and deletes what keep_latest_k no longer keeps."""
+    def _commit(self, step: int, kind: str = "full", mine: dict[str, Any] | None = None) -> None:
+        """Every rank digests the files it wrote (unless ``mine`` has them already); rank 0
+        writes the manifest, renames the folder and deletes what keep_latest_k no longer
+        keeps."""
         tmp = io.tmp_dir(self.root, step)
-        mine = io.digest_files(tmp, prefix=f"__{self.rank}_")
+        if mine is None:
+            mine = io.digest_files(tmp, prefix=f"__{self.rank}_")
         gathered: list[Any] = [None] * self.world_size if self.rank == 0 else []
         dist.gather_object(mine, gathered if self.rank == 0 else None, dst=0, group=self.pg)
         if self.rank == 0:
             files: dict[str, Any] = {}
             for part in gathered:
                 files.update(part)
-            io.commit(self.root, step, files, self.world_size)
+            io.commit(self.root, step, files, self.world_size, kind=kind)
             for p in io.purge(self.root, self.keep_latest_k, newest=step):
                 logger.info(f"checkpoint: removed {p}")
         dist.barrier(group=self.pg)
@@ -377,5 +438,7 @@ class CheckpointManager:
             self._finish_pending()
         if self._stager is not None:
             self._stager.close()
+        if self._digester is not None:
+            self._digester.shutdown()
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)

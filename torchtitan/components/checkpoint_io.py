@@ -5,6 +5,12 @@ A checkpoint of step N is written to ``<root>/step-N.tmp`` and becomes ``<root>/
 (``manifest.json``) lists every file with its size and SHA-256, so a folder that was truncated,
 lost a file, or had bytes flipped is recognised and skipped. Nothing here uses a process group:
 the manager gathers the per-rank file digests and calls these functions on one rank.
+
+The manifest also records the checkpoint's ``kind``: ``full`` (everything, resumable),
+``seed`` (model only, step 0: checkpoint.create_seed_checkpoint) or ``export`` (model only,
+possibly cast: checkpoint.last_save_model_only). Automatic resume skips ``export`` folders:
+they lack the optimizer, data position and RNG, so resuming from them would not continue the
+run.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ TMP_SUFFIX = ".tmp"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _CHUNK = 8 << 20
+KINDS = ("full", "seed", "export")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -54,10 +61,17 @@ def digest_files(folder: Path, prefix: str | None) -> dict[str, dict[str, int | 
     }
 
 
-def commit(root: Path, step: int, files: dict[str, dict[str, int | str]], world_size: int) -> Path:
+def commit(
+    root: Path,
+    step: int,
+    files: dict[str, dict[str, int | str]],
+    world_size: int,
+    kind: str = "full",
+) -> Path:
     """Write the manifest into ``step-N.tmp`` (digesting any file not in ``files``) and rename
     it to ``step-N``. An existing ``step-N`` (e.g. a corrupt one that was skipped at load) is
     replaced. Returns the final folder."""
+    assert kind in KINDS, kind
     tmp, final = tmp_dir(root, step), step_dir(root, step)
     on_disk = {p.name for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST}
     for name in sorted(on_disk - set(files)):
@@ -69,6 +83,7 @@ def commit(root: Path, step: int, files: dict[str, dict[str, int | str]], world_
         "format": FORMAT_VERSION,
         "step": step,
         "world_size": world_size,
+        "kind": kind,
         "files": dict(sorted(files.items())),
     }
     with open(tmp / MANIFEST, "w") as f:
@@ -127,6 +142,14 @@ def verify(folder: Path, checksums: bool = True) -> str | None:
     return None
 
 
+def kind(folder: Path) -> str:
+    """The manifest's ``kind`` (``full`` for a manifest without one, or none readable)."""
+    try:
+        return str(json.loads((folder / MANIFEST).read_text()).get("kind", "full"))
+    except (OSError, ValueError):
+        return "full"
+
+
 @dataclass(frozen=True)
 class Found:
     step: int
@@ -145,11 +168,16 @@ def complete_steps(root: Path) -> list[int]:
     return sorted(steps)
 
 
-def find_checkpoint(root: Path, load_step: int = -1, checksums: bool = True) -> Found | None:
-    """The newest checkpoint under ``root`` that verifies (or exactly ``load_step`` when >= 0).
+def find_checkpoint(
+    root: Path, load_step: int = -1, checksums: bool = True, skip_exports: bool = True
+) -> Found | None:
+    """The newest checkpoint under ``root`` that verifies and is not an ``export`` (or exactly
+    ``load_step`` when >= 0).
 
     Every folder skipped on the way is logged with a warning naming it and the reason; a
-    ``load_step`` that is missing or corrupt is an error (the user asked for that one)."""
+    ``load_step`` that is missing, corrupt or an export is an error (the user asked for that
+    one). ``skip_exports=False`` also accepts exports (for readers of the weights only, e.g.
+    generation)."""
     if root.is_dir():
         for p in sorted(root.glob(f"step-*{TMP_SUFFIX}")):
             logger.warning(f"checkpoint: ignoring {p}: a save that never finished")
@@ -164,10 +192,19 @@ def find_checkpoint(root: Path, load_step: int = -1, checksums: bool = True) -> 
         reason = verify(path, checksums)
         if reason is not None:
             raise RuntimeError(f"checkpoint.load_step = {load_step}: {path} is invalid: {reason}")
+        if skip_exports and kind(path) == "export":
+            raise RuntimeError(
+                f"checkpoint.load_step = {load_step}: {path} is a model-only export "
+                "(checkpoint.last_save_model_only) and cannot be resumed; load its weights with "
+                "checkpoint.initial_load_path in a fresh dump folder, or pick an interval step"
+            )
         return Found(load_step, path)
     for step in reversed(steps):
         path = step_dir(root, step)
         reason = verify(path, checksums)
+        if reason is None and skip_exports and kind(path) == "export":
+            logger.info(f"checkpoint: {path} is a model-only export; not resuming from it")
+            continue
         if reason is None:
             return Found(step, path)
         logger.warning(f"checkpoint: skipping {path}: {reason}; trying the previous one")
@@ -176,7 +213,9 @@ def find_checkpoint(root: Path, load_step: int = -1, checksums: bool = True) -> 
 
 def purge(root: Path, keep_latest_k: int, newest: int) -> list[Path]:
     """Delete complete checkpoints beyond the newest ``keep_latest_k`` and unfinished
-    ``.tmp`` folders older than ``newest`` (the step just committed). Returns what was removed."""
+    ``.tmp`` folders older than ``newest`` (the step just committed). Exports are neither
+    counted nor deleted: they are the run's product, and counting them could delete the last
+    checkpoint a restart can resume from. Returns what was removed."""
     removed: list[Path] = []
     for p in root.glob(f"step-*{TMP_SUFFIX}"):
         m = re.match(r"^step-(\d+)\.tmp$", p.name)
@@ -184,7 +223,8 @@ def purge(root: Path, keep_latest_k: int, newest: int) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     if keep_latest_k > 0:
-        for step in complete_steps(root)[:-keep_latest_k]:
+        resumable = [s for s in complete_steps(root) if kind(step_dir(root, s)) != "export"]
+        for step in resumable[:-keep_latest_k]:
             path = step_dir(root, step)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -210,7 +250,7 @@ def read_model_weights(folder: Path) -> dict:
     return model
 
 
-def write_model_weights(root: Path, step: int, model: dict) -> Path:
+def write_model_weights(root: Path, step: int, model: dict, kind: str = "seed") -> Path:
     """Write a model-only checkpoint ``root/step-<step>`` (temporary folder, manifest, rename)
     from one process; loadable by the trainer as a checkpoint holding only ``model``."""
     import torch.distributed.checkpoint as dcp
@@ -220,4 +260,4 @@ def write_model_weights(root: Path, step: int, model: dict) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     dcp.save({"model": model}, checkpoint_id=str(tmp), no_dist=True)
-    return commit(root, step, {}, world_size=1)
+    return commit(root, step, {}, world_size=1, kind=kind)

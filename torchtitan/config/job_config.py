@@ -205,6 +205,15 @@ class Checkpoint:
     initial_load_in_hf: bool = False
     """initial_load_path is a Hugging Face folder (config.json + *.safetensors) whose weights are converted on load (llama3)."""
 
+    create_seed_checkpoint: bool = False
+    """Build and initialize the model, save it as a model-only step-0 checkpoint in the checkpoint folder and exit without training; one process with every parallel degree 1. Later runs at any parallelism start from these weights."""
+
+    last_save_model_only: bool = False
+    """The checkpoint of the last training step holds only the model weights, cast to export_dtype (for shipping or scripts/convert_to_hf.py); interval checkpoints stay complete, and resume skips this one."""
+
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Data type of the weights in the last_save_model_only checkpoint."""
+
 
 @dataclass
 class ActivationCheckpoint:

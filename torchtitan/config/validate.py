@@ -99,7 +99,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
             raise ConfigError(dotted, True, f"{feature} is not available yet", f"remove --{dotted}")
     _validate_speed_features(cfg)
     _validate_observability(cfg)
-    _validate_checkpoint(cfg)
+    _validate_checkpoint(cfg, world_size)
 
     # ---- model
     if cfg.model.name not in MODELS:
@@ -402,9 +402,19 @@ def _validate_observability(cfg: JobConfig) -> None:
             )
 
 
-def _validate_checkpoint(cfg: JobConfig) -> None:
+def _validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
     """Checkpoint options (checked even with checkpoint.enable off, so a typo fails early)."""
     ck = cfg.checkpoint
+    if ck.create_seed_checkpoint:
+        _validate_seed_checkpoint(cfg, world_size)
+    if ck.export_dtype != "float32" and not ck.last_save_model_only:
+        raise ConfigError(
+            "checkpoint.export_dtype",
+            ck.export_dtype,
+            "applies only to the model-only checkpoint of checkpoint.last_save_model_only, "
+            "which is off",
+            "add --checkpoint.last_save_model_only, or drop export_dtype",
+        )
     _positive(cfg, "checkpoint.interval")
     _positive(cfg, "checkpoint.keep_latest_k", minimum=0)
     if ck.load_step < -1:
@@ -446,11 +456,15 @@ def _validate_checkpoint(cfg: JobConfig) -> None:
                 "needs checkpoint.initial_load_path (the Hugging Face folder)",
                 "set --checkpoint.initial_load_path",
             )
-        if cfg.model.name != "llama3":
+        from torchtitan.models import MODELS
+
+        spec = MODELS.get(cfg.model.name)
+        if spec is not None and spec.state_dict_adapter is None:
             raise ConfigError(
                 "checkpoint.initial_load_in_hf",
                 True,
-                f"has a Hugging Face weight converter for llama3 only, not {cfg.model.name}",
+                f"needs a Hugging Face weight converter (ModelSpec.state_dict_adapter), and "
+                f"{cfg.model.name} has none",
                 "convert the weights yourself and remove the flag",
             )
         if not list(Path(ck.initial_load_path).glob("*.safetensors")):
@@ -466,4 +480,51 @@ def _validate_checkpoint(cfg: JobConfig) -> None:
             ck.async_mode,
             "pinned host memory needs CUDA, and this machine has no GPU",
             "use async (a background thread) or disabled",
+        )
+
+
+def _validate_seed_checkpoint(cfg: JobConfig, world_size: int) -> None:
+    """A seed checkpoint is made by one process with every parallel degree 1, into an empty
+    checkpoint folder (a newer checkpoint there would be resumed instead of the seed)."""
+    from torchtitan.components.checkpoint_io import complete_steps
+
+    ck, p = cfg.checkpoint, cfg.parallelism
+    if not ck.enable:
+        raise ConfigError(
+            "checkpoint.create_seed_checkpoint",
+            True,
+            "writes into the checkpoint folder, and checkpoint.enable is off",
+            "add --checkpoint.enable",
+        )
+    if world_size != 1:
+        raise ConfigError(
+            "checkpoint.create_seed_checkpoint",
+            True,
+            f"runs on one process, and this launch has {world_size} (WORLD_SIZE)",
+            "make the seed with NGPU=1 (or plain python), then start the parallel run",
+        )
+    for name in (
+        "data_parallel_replicate_degree",
+        "data_parallel_shard_degree",
+        "tensor_parallel_degree",
+        "pipeline_parallel_degree",
+        "context_parallel_degree",
+    ):
+        value = getattr(p, name)
+        if value != 1 and not (name == "data_parallel_shard_degree" and value == -1):
+            raise ConfigError(
+                f"parallelism.{name}",
+                value,
+                "must be 1 with checkpoint.create_seed_checkpoint (the seed is made on one "
+                "process, every parallel degree 1; the run that loads it may use any)",
+                f"set --parallelism.{name} 1 for the seed run",
+            )
+    root = Path(cfg.job.dump_folder) / ck.folder
+    if complete_steps(root):
+        raise ConfigError(
+            "checkpoint.create_seed_checkpoint",
+            True,
+            f"{root} already holds checkpoints (steps {complete_steps(root)}), which a run "
+            "would resume from instead of the seed",
+            "use a fresh job.dump_folder or checkpoint.folder",
         )
