@@ -125,6 +125,7 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "PP 2": (2, PP2),
     "PP 2 x FSDP 2": (4, [*PP2[:2], *FSDP2]),
     "TP 2": (2, ["--training.local_batch_size", "8", "--parallelism.tensor_parallel_degree", "2"]),
+    "CP 2": (2, ["--training.local_batch_size", "8", "--parallelism.context_parallel_degree", "2"]),
 }
 _STRAIGHT: dict[str, tuple[list[dict], Path]] = {}
 
@@ -157,6 +158,7 @@ def _resume_from(src: Path, layout: str, dump: Path) -> list[dict]:
         pytest.param("FSDP 2 x TP 2", marks=pytest.mark.slow),
         pytest.param("PP 2", marks=pytest.mark.slow),
         pytest.param("PP 2 x FSDP 2", marks=pytest.mark.slow),
+        pytest.param("CP 2", marks=pytest.mark.slow),
     ],
 )
 def test_bitwise_resume(
