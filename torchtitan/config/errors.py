@@ -12,3 +12,17 @@ class ConfigError(ValueError):
         self.field, self.value, self.rule, self.fix = field, value, rule, fix
         shown = "" if value is None else f" = {value!r}"
         super().__init__(f"{field}{shown}: {rule}. Fix: {fix}.")
+
+
+def require_int(cfg: Any, dotted: str, minimum: int = 1) -> None:
+    """The field ``dotted`` (e.g. ``training.steps``) of ``cfg`` is an integer >= ``minimum``."""
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    if not isinstance(value, int) or value < minimum:
+        raise ConfigError(
+            dotted,
+            value,
+            f"must be an integer >= {minimum}",
+            f"set --{dotted} to at least {minimum}",
+        )

@@ -1,0 +1,103 @@
+"""Config checks for tensor and context parallel (part of ``validate_config``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig
+
+
+def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
+    """Head counts, sequence length and widths divisible by TP; async TP's requirements."""
+    from torchtitan.models import MODELS
+
+    p = cfg.parallelism
+    if p.enable_async_tensor_parallel:
+        flag, fix = "parallelism.enable_async_tensor_parallel", "remove the flag"
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                flag,
+                True,
+                "async tensor parallel needs CUDA (symmetric memory and inductor's "
+                "micro-pipelined matmuls) and no GPU is visible",
+                "remove --parallelism.enable_async_tensor_parallel on CPU",
+            )
+        if tp < 2:
+            raise ConfigError(flag, True, "needs tensor_parallel_degree >= 2", fix)
+        if not (cfg.compile.enable and "model" in cfg.compile.components):
+            raise ConfigError(
+                flag,
+                True,
+                "async tensor parallel is done by inductor, so it needs compile.enable "
+                "(with model in compile.components)",
+                "add --compile.enable, or remove the flag",
+            )
+    if tp < 2:
+        return
+    args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
+    field = "parallelism.tensor_parallel_degree"
+    sizes = {
+        "n_heads": getattr(args, "n_heads", None),
+        "n_kv_heads": getattr(args, "kv_heads", None),
+        "hidden_dim": getattr(args, "hidden_dim", None),
+    }
+    shape = {k: v for k, v in sizes.items() if isinstance(v, int)}
+    valid = [d for d in range(1, 65) if all(v % d == 0 for v in shape.values())]
+    for name, size in shape.items():
+        if size % tp != 0:
+            shown = ", ".join(f"{k}={v}" for k, v in shape.items())
+            raise ConfigError(
+                field,
+                tp,
+                f"{cfg.model.name} {cfg.model.flavor} has {name}={size}, which tensor parallel "
+                f"cannot split over {tp} ranks ({shown} must all be divisible by it)",
+                f"use a tensor_parallel_degree among {', '.join(map(str, valid))}",
+            )
+    if cfg.training.seq_len % tp != 0:
+        raise ConfigError(
+            "training.seq_len",
+            cfg.training.seq_len,
+            f"sequence parallel splits the sequence over tensor_parallel_degree={tp} ranks, so "
+            "it must be divisible by it",
+            f"use a multiple of {tp}, e.g. {cfg.training.seq_len // tp * tp or tp}",
+        )
+
+
+def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
+    """The model supports CP, the sequence splits into 2 x cp chunks (and each rank's share
+    over TP for sequence parallel), ring attention only on CUDA."""
+    from torchtitan.models import MODELS
+
+    if cp < 2:
+        return
+    field, p = "parallelism.context_parallel_degree", cfg.parallelism
+    if not MODELS[cfg.model.name].supports_context_parallel:
+        raise ConfigError(
+            field,
+            cp,
+            f"model {cfg.model.name} does not support context parallel (its attention cannot "
+            "be computed on a sharded sequence)",
+            "set it to 1",
+        )
+    seq = cfg.training.seq_len
+    step = math.lcm(2 * cp, cp * tp)
+    if seq % step != 0:
+        why = f"2 x cp = {2 * cp}" if tp == 1 else f"2 x cp = {2 * cp} and by cp x tp = {cp * tp}"
+        raise ConfigError(
+            "training.seq_len",
+            seq,
+            f"context parallel splits every sequence into 2 x {cp} load-balanced chunks (and "
+            f"sequence parallel splits each rank's share over tp), so it must be divisible by {why}",
+            f"use a multiple of {step}, e.g. {max(step, seq // step * step)}",
+        )
+    if p.context_parallel_method == "ring" and not torch.cuda.is_available():
+        raise ConfigError(
+            "parallelism.context_parallel_method",
+            "ring",
+            "torch's ring attention (torch.distributed.tensor.experimental.context_parallel) "
+            "needs CUDA: torch 2.13 has no sharding rule for CPU scaled_dot_product_attention",
+            "use --parallelism.context_parallel_method allgather (exact, any device)",
+        )
