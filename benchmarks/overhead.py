@@ -14,22 +14,29 @@ clip, step. The trainer's loop adds loss bookkeeping, metrics and logging every
 ``metrics.log_freq`` steps, memory sampling, GC control and whatever else ``Trainer.train``
 does.
 
-The two are timed in alternating rounds of ``--steps`` steps after warm-up. Each trainer round
-is paired with the minimal round next to it (which goes first alternates) (the two see nearly the same machine load, which
-matters on a shared machine) and the JSON line reports ``ratio``, the median over the pairs of
-minimal step time / trainer step time: the trainer's throughput as a fraction of the minimal
-loop's (goal >= 0.97). Use several rounds; a pair disturbed by other work is outvoted.
+The two are timed in alternating rounds of ``--steps`` steps after warm-up (keep ``--steps`` a
+multiple of ``metrics.log_freq`` so every trainer round holds its share of log steps). Each
+trainer round is paired with the minimal round next to it (which goes first alternates), so
+the two see nearly the same machine load, and the JSON line reports:
 
-``cpu_ratio`` is the same ratio in process CPU time instead of wall-clock time. Time spent
-waiting for a core that other processes hold is not CPU time, so on a busy shared machine
-``--threads 1`` (no OpenMP spin-waiting) with ``cpu_ratio`` is the steadier measurement. One process only (world size 1): parallelism adds
-communication, not trainer overhead.
+* ``ratio``: the median over the pairs of minimal step time / trainer step time, the trainer's
+  throughput as a fraction of the minimal loop's (goal >= 0.97). A pair disturbed by other work
+  is outvoted; ``pair_ratios`` shows the spread.
+* ``ratio_best``: fastest minimal round / fastest trainer round. Other work on the machine only
+  ever adds time, so the fastest round of each loop is its least disturbed one.
+* ``cpu_ratio``: like ``ratio`` in process CPU time. Time spent waiting for a core that other
+  processes hold is not CPU time, so on a busy machine ``--threads 1`` (no OpenMP spin-waiting)
+  with ``cpu_ratio`` is the steadier measurement.
+* ``load_avg``/``load_avg_end``: the machine's 1/5/15-minute load averages around the rounds.
+
+One process only (world size 1): parallelism adds communication, not trainer overhead.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -75,13 +82,15 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- the minimal loop's own model, optimizer and data
     model = MODELS[cfg.model.name].model_cls(trainer.model_args).to(device)
-    model.init_weights(seed=cfg.debug.seed, buffer_device=device)
+    model.init_weights(seed=cfg.debug.seed, buffer_device=device)  # type: ignore[operator]
     apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
         apply_compile(model, backend=cfg.compile.backend)
     o = cfg.optimizer
     opt_cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
-    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(o.implementation, {})
+    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(
+        o.implementation, {"foreach": False, "fused": False}
+    )
     opt = opt_cls(
         model.parameters(),
         lr=o.lr,
@@ -133,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trainer_steps(args.warmup)
         minimal_steps(args.warmup)
+        load_start = os.getloadavg()
         ours, minimal = [], []
         for r in range(args.rounds):
             # Alternate which loop goes first, so neither always follows the other.
@@ -142,19 +152,21 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 minimal.append(timed(minimal_steps, args.steps))
                 ours.append(timed(trainer_steps, args.steps))
+        load_end = os.getloadavg()
     finally:
         trainer.close()
         destroy_distributed()
     ours_s, minimal_s = statistics.median(ours), statistics.median(minimal)
     pair_ratios = [m / o for o, m in zip(ours, minimal)]
+    cpu_pairs = [m / o for o, m in zip(cpu["ours"], cpu["minimal"])]
     print(
         json.dumps(
             {
                 "ratio": round(statistics.median(pair_ratios), 4),
+                "ratio_best": round(min(minimal) / min(ours), 4),
                 "pair_ratios": [round(r, 4) for r in pair_ratios],
-                "cpu_ratio": round(
-                    statistics.median(m / o for o, m in zip(cpu["ours"], cpu["minimal"])), 4
-                ),
+                "cpu_ratio": round(statistics.median(cpu_pairs), 4),
+                "cpu_pair_ratios": [round(r, 4) for r in cpu_pairs],
                 "trainer_cpu_step_s": round(statistics.median(cpu["ours"][-args.rounds :]), 5),
                 "minimal_cpu_step_s": round(statistics.median(cpu["minimal"][-args.rounds :]), 5),
                 "trainer_step_s": round(ours_s, 5),
@@ -166,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                 "device": device.type,
                 "threads": torch.get_num_threads(),
                 "torch": torch.__version__,
+                "load_avg": [round(x, 2) for x in load_start],
+                "load_avg_end": [round(x, 2) for x in load_end],
                 "overrides": overrides,
             }
         ),

@@ -10,13 +10,21 @@ builds the ``Trainer`` for that config, runs ``--warmup`` steps of its real trai
 JSON line (rank 0) with:
 
 * ``tokens_per_s_per_device`` and ``step_time_s`` over the timed steps (wall clock, device
-  synchronized at both ends);
+  synchronized at both ends); ``step_time_median_s`` and ``step_time_min_s`` from per-step
+  stamps (on a GPU these are host-side stamps: the trainer's one sync per step keeps them close);
 * ``mfu_measured_pct``: model FLOP/s against the dense matmul peak measured in this run, by a
   large matmul in the run's parameter dtype, after the timed steps (so it does not disturb them);
 * ``mfu_datasheet_pct``: against the vendor's dense peak for this device and dtype, ``null``
   where the device is not in ``torchtitan/tools/peak_flops.py`` (CPUs, unknown GPUs): never
   guessed;
-* ``peak_memory_gib`` (CUDA: allocated peak; CPU: peak process RSS) and the config.
+* on CPU also ``cpu_time_step_s`` (median process CPU time per step), ``tokens_per_cpu_s`` and
+  ``mfu_cpu_time_pct`` (against a matmul peak also timed in CPU time): what the process did with
+  the CPU time it got. Other work on the machine stretches wall-clock time but barely CPU time,
+  so on a busy machine run ``--threads 1`` (no OpenMP threads spinning while a sibling waits
+  for a core) and read these; on a quiet one they match the wall-clock figures;
+* ``peak_memory_gib`` (CUDA: allocated peak; CPU: peak process RSS), the config, the device,
+  torch version and the machine's load averages before and after the timed steps
+  (``load_avg``/``load_avg_end``, 1/5/15 min), so a figure taken on a busy machine says so.
 
 Model FLOPs per token are ``ModelArgs.flops_per_token`` (6 x non-embedding params + attention,
 recompute not counted). With float8 the MFU is still against the parameter-dtype peak (bf16 on
@@ -26,8 +34,8 @@ Several configurations (each in a fresh process, one JSON line each)::
 
     python benchmarks/throughput.py --ladder -- --job.config_file train_configs/debug_model.toml
 
-runs eager, +compile, AC full / selective op (eager and compiled), float8 tensorwise and
-rowwise (eager and compiled). Under torchrun every rank runs and rank 0 prints.
+runs the ``LADDER`` below (``--only a,b`` picks labels). Under torchrun every rank runs and
+rank 0 prints.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -44,35 +53,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+_COMPILE = ["--compile.enable"]
+_AC_FULL = ["--activation_checkpoint.mode", "full"]
+_AC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]  # fmt: skip
+_F8_TW = ["--quantize.dense.float8.enable", "--quantize.dense.float8.recipe_name", "tensorwise"]
+_F8_RW = ["--quantize.dense.float8.enable", "--quantize.dense.float8.recipe_name", "rowwise"]
 LADDER: list[tuple[str, list[str]]] = [
     ("eager", []),
-    ("compile", ["--compile.enable"]),
-    ("ac_full", ["--activation_checkpoint.mode", "full"]),
-    ("compile+ac_full", ["--compile.enable", "--activation_checkpoint.mode", "full"]),
-    (
-        "compile+ac_op",
-        [
-            "--compile.enable",
-            "--activation_checkpoint.mode",
-            "selective",
-            "--activation_checkpoint.selective_ac_option",
-            "op",
-        ],
-    ),
-    ("float8_tensorwise", ["--quantize.dense.float8.enable"]),
-    (
-        "compile+float8_tensorwise",
-        ["--compile.enable", "--quantize.dense.float8.enable"],
-    ),
-    (
-        "compile+float8_rowwise",
-        [
-            "--compile.enable",
-            "--quantize.dense.float8.enable",
-            "--quantize.dense.float8.recipe_name",
-            "rowwise",
-        ],
-    ),
+    ("compile", _COMPILE),
+    ("ac_full", _AC_FULL),
+    ("ac_op", _AC_OP),
+    ("compile+ac_full", _COMPILE + _AC_FULL),
+    ("compile+ac_op", _COMPILE + _AC_OP),
+    ("float8_tensorwise", _F8_TW),
+    ("float8_rowwise", _F8_RW),
+    ("compile+float8_tensorwise", _COMPILE + _F8_TW),
+    ("compile+float8_rowwise", _COMPILE + _F8_RW),
+    ("compile+ac_op+float8_tensorwise", _COMPILE + _AC_OP + _F8_TW),
+    ("compile+ac_op+float8_rowwise", _COMPILE + _AC_OP + _F8_RW),
 ]
 
 
@@ -81,6 +79,13 @@ def _sync(device) -> None:  # type: ignore[no-untyped-def]
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _device_name(device) -> str:  # type: ignore[no-untyped-def]
@@ -97,7 +102,9 @@ def _device_name(device) -> str:  # type: ignore[no-untyped-def]
     return platform.processor() or platform.machine()
 
 
-def run_one(overrides: list[str], warmup: int, steps: int, label: str) -> dict | None:
+def run_one(
+    overrides: list[str], warmup: int, steps: int, label: str, peak_budget_s: float = 5.0
+) -> dict | None:
     """Train ``warmup + steps`` steps of the config; returns the result (rank 0) or None."""
     import torch
 
@@ -109,14 +116,22 @@ def run_one(overrides: list[str], warmup: int, steps: int, label: str) -> dict |
     cfg = parse_args([*overrides, "--training.steps", str(warmup + steps)])
     trainer = Trainer(cfg)
     logged: list[dict] = []
-    log = trainer.metrics.log
+    stamps: list[float] = []
+    cpu_stamps: list[float] = []
+    log, end_step = trainer.metrics.log, trainer.metrics.end_step
 
     def capture(step: int, lr: float) -> dict:
         out = log(step, lr)
         logged.append(dict(out))
         return out
 
+    def stamp(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        end_step(*args, **kwargs)
+        stamps.append(time.perf_counter())
+        cpu_stamps.append(time.process_time())
+
     trainer.metrics.log = capture  # type: ignore[method-assign]
+    trainer.metrics.end_step = stamp  # type: ignore[method-assign]
     try:
         # Warm-up through the real loop: compile, allocator, optimizer state.
         cfg.training.steps = warmup
@@ -124,15 +139,26 @@ def run_one(overrides: list[str], warmup: int, steps: int, label: str) -> dict |
         cfg.training.steps = warmup + steps
         device = trainer.device
         _sync(device)
-        start = time.perf_counter()
+        load_start = _load_avg()
+        start, cpu_start = time.perf_counter(), time.process_time()
+        stamps.clear()
+        cpu_stamps.clear()
         trainer.train()
         _sync(device)
         elapsed = time.perf_counter() - start
+        load_end = _load_avg()
+        per_step = [b - a for a, b in zip([start, *stamps], stamps)]
+        cpu_step = statistics.median(b - a for a, b in zip([cpu_start, *cpu_stamps], cpu_stamps))
         dtype = trainer.param_dtype
         # A longer budget than the trainer's start-up measurement: the fastest of more matmuls
         # is a steadier estimate of the peak on a machine shared with other work.
-        peak_measured = measure_matmul_peak_flops(device, dtype, budget_s=5.0)
+        peak_measured = measure_matmul_peak_flops(device, dtype, budget_s=peak_budget_s)
         peak_datasheet = datasheet_peak_flops(device, dtype)
+        peak_cpu_time = (
+            measure_matmul_peak_flops(device, dtype, budget_s=peak_budget_s, cpu_time=True)
+            if device.type == "cpu"
+            else None
+        )
     finally:
         trainer.close()
         destroy_distributed()
@@ -144,22 +170,36 @@ def run_one(overrides: list[str], warmup: int, steps: int, label: str) -> dict |
     flops_per_token = trainer.model_args.flops_per_token(t.seq_len)
     achieved = flops_per_token * tps
     mem_key = "memory/peak_gib"
-    peak_mem = max((m[mem_key] for m in logged if mem_key in m), default=None)
+    peak_mem = max((m[mem_key] for m in logged if m.get(mem_key) is not None), default=None)
     dims = trainer.parallel_dims
     f8 = cfg.quantize.dense.float8
     n_float8 = sum(
         type(m).__name__ == "Float8Linear" for part in trainer.model_parts for m in part.modules()
     )
+    ac = cfg.activation_checkpoint
     return {
         "label": label,
         "tokens_per_s_per_device": round(tps, 1),
         "step_time_s": round(elapsed / steps, 4),
+        "step_time_median_s": round(statistics.median(per_step), 4),
+        "step_time_min_s": round(min(per_step), 4),
         "mfu_measured_pct": round(100 * achieved / peak_measured, 2),
         "peak_tflops_measured": round(peak_measured / 1e12, 4),
         "mfu_datasheet_pct": None
         if peak_datasheet is None
         else round(100 * achieved / peak_datasheet, 2),
         "peak_tflops_datasheet": None if peak_datasheet is None else peak_datasheet / 1e12,
+        "flops_per_token": flops_per_token,
+        "cpu_time_step_s": round(cpu_step, 4) if peak_cpu_time else None,
+        "tokens_per_cpu_s": round(trainer.device_tokens_per_step / cpu_step, 1)
+        if peak_cpu_time
+        else None,
+        "mfu_cpu_time_pct": round(
+            100 * flops_per_token * trainer.device_tokens_per_step / cpu_step / peak_cpu_time, 2
+        )
+        if peak_cpu_time
+        else None,
+        "peak_tflops_cpu_time": round(peak_cpu_time / 1e12, 4) if peak_cpu_time else None,
         "peak_memory_gib": None if peak_mem is None else round(peak_mem, 3),
         "memory_kind": "cuda allocated" if device.type == "cuda" else "process RSS",
         "loss_last": logged[-1]["loss"] if logged else None,
@@ -170,6 +210,8 @@ def run_one(overrides: list[str], warmup: int, steps: int, label: str) -> dict |
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "world_size": dims.world_size,
+        "load_avg": load_start,
+        "load_avg_end": load_end,
         "config": {
             "overrides": overrides,
             "model": f"{cfg.model.name} {cfg.model.flavor}",
@@ -177,12 +219,8 @@ def run_one(overrides: list[str], warmup: int, steps: int, label: str) -> dict |
             "local_batch_size": t.local_batch_size,
             "param_dtype": str(dtype).removeprefix("torch."),
             "compile": cfg.compile.enable,
-            "activation_checkpoint": cfg.activation_checkpoint.mode
-            + (
-                f"/{cfg.activation_checkpoint.selective_ac_option}"
-                if cfg.activation_checkpoint.mode == "selective"
-                else ""
-            ),
+            "activation_checkpoint": ac.mode
+            + (f"/{ac.selective_ac_option}" if ac.mode == "selective" else ""),
             "float8": f"{f8.recipe_name} ({n_float8} linears)" if f8.enable else None,
             "degrees": {
                 "dp_replicate": dims.dp_replicate,
@@ -195,6 +233,34 @@ def run_one(overrides: list[str], warmup: int, steps: int, label: str) -> dict |
     }
 
 
+def run_ladder(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Each LADDER entry in a fresh process (compile and float8 state do not leak between them)."""
+    wanted = set(filter(None, args.only.split(",")))
+    unknown = wanted - {label for label, _ in LADDER}
+    if unknown:
+        raise SystemExit(
+            f"--only: unknown labels {sorted(unknown)}; known: {[x for x, _ in LADDER]}"
+        )
+    rc = 0
+    for label, extra in LADDER:
+        if wanted and label not in wanted:
+            continue
+        print(f"throughput ladder: {label} ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, __file__, "--warmup", str(args.warmup), "--steps", str(args.steps),
+               "--peak-budget", str(args.peak_budget), "--threads", str(args.threads),
+               "--label", label, "--",
+               *overrides, *extra]  # fmt: skip
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+        if res.returncode != 0 or not lines:
+            err = {"label": label, "error": f"exit code {res.returncode}", "stderr_tail": res.stderr[-2000:]}  # fmt: skip
+            print(json.dumps(err), flush=True)
+            rc = 1
+        else:
+            print(lines[-1], flush=True)
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, overrides = (
@@ -205,30 +271,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     p.add_argument("--label", default="run", help="name in the JSON line")
     p.add_argument(
+        "--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)"
+    )
+    p.add_argument(
+        "--peak-budget", type=float, default=5.0, help="seconds for the CPU matmul peak (default 5)"
+    )
+    p.add_argument(
         "--ladder", action="store_true", help="run the LADDER variants, one process each"
     )
     p.add_argument("--only", default="", help="with --ladder: comma-separated labels to run")
     args = p.parse_args(own)
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be >= 1")
     if args.ladder:
-        wanted = set(filter(None, args.only.split(",")))
-        rc = 0
-        for label, extra in LADDER:
-            if wanted and label not in wanted:
-                continue
-            cmd = [sys.executable, __file__, "--warmup", str(args.warmup), "--steps", str(args.steps),
-                   "--label", label, "--", *overrides, *extra]  # fmt: skip
-            res = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-            lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-            if res.returncode != 0 or not lines:
-                print(
-                    json.dumps({"label": label, "error": f"exit code {res.returncode}"}), flush=True
-                )
-                rc = 1
-            else:
-                print(lines[-1], flush=True)
-        return rc
+        return run_ladder(args, overrides)
     os.environ.setdefault("WANDB_MODE", "offline")
-    result = run_one(overrides, args.warmup, args.steps, args.label)
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    result = run_one(overrides, args.warmup, args.steps, args.label, args.peak_budget)
     if result is not None:
         print(json.dumps(result), flush=True)
     return 0

@@ -448,7 +448,7 @@ class Trainer:
         if gc_freq > 0:
             gc.disable()
         logger.info(f"training for {cfg.training.steps} steps")
-        self.metrics.start_timer()
+        self.metrics.start_timer(self.step)
         self.profiling.start(self.step)
         while self.step < cfg.training.steps:
             self.step += 1

@@ -115,9 +115,15 @@ class MetricsProcessor:
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == self.total_steps
 
-    def start_timer(self) -> None:
-        """Start the throughput clock (call right before the first step, after set-up)."""
+    def start_timer(self, step: int = 0) -> None:
+        """Start the throughput clock right before the step after ``step`` (0, or the resumed
+        step), after set-up. The next log's window then counts only steps from here: tokens
+        and step count of a previous, unlogged stretch (a resume, a second ``train()`` call)
+        would otherwise inflate tokens/s and shrink the step time."""
         self.train_start = self.last_log_time = time.perf_counter()
+        self.last_log_step = step
+        self.tokens_since_log = 0
+        self.data_time, self._steps_since_log = 0.0, 0
 
     def end_step(
         self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, step: int | None = None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -155,19 +156,24 @@ def _measure_cuda(device: torch.device, dtype: torch.dtype, n: int, iters: int) 
 
 
 def _measure_host_timed(
-    device: torch.device, dtype: torch.dtype, n: int | None, iters: int | None, budget_s: float
+    device: torch.device,
+    dtype: torch.dtype,
+    n: int | None,
+    iters: int | None,
+    budget_s: float,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """CPU (and non-CUDA devices): wall-clock timing with a time budget; fastest matmul wins."""
+    """CPU (and non-CUDA devices): timing by ``clock`` with a wall-clock budget; fastest matmul wins."""
 
     def sync() -> None:
         if device.type != "cpu" and hasattr(torch, "accelerator"):
             torch.accelerator.synchronize()
 
     def timed(matmul) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         matmul()
         sync()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     if n is None:
         # Grow n from 128 while one matmul of twice the size (8x the work) is predicted to fit in a tenth of
@@ -198,6 +204,7 @@ def measure_matmul_peak_flops(
     iters: int | None = None,
     *,
     budget_s: float = 1.0,
+    cpu_time: bool = False,
 ) -> float:
     """Measure the matmul throughput of ``device`` in ``dtype``, in FLOP/s (2 * n**3 per n x n matmul).
 
@@ -209,6 +216,10 @@ def measure_matmul_peak_flops(
     exactly ``iters`` when given) and the rate of the fastest one is returned (the best case is the
     peak; slower ones were disturbed by other work on the machine). With the defaults the whole
     measurement takes about 1-2 s. On CPU this is the peak MFU is measured against.
+
+    ``cpu_time`` (CPU only): time each matmul in process CPU time instead of wall-clock time, the
+    peak per CPU-second this process gets; steady on a machine shared with other work when
+    torch runs one thread (with more, OpenMP threads spinning at barriers count as CPU time).
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -219,4 +230,5 @@ def measure_matmul_peak_flops(
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         return _measure_cuda(device, dtype, size or 8192, iters or 50)
-    return _measure_host_timed(device, dtype, size, iters, budget_s)
+    clock = time.process_time if cpu_time else time.perf_counter
+    return _measure_host_timed(device, dtype, size, iters, budget_s, clock)
