@@ -160,3 +160,35 @@ def test_model_without_context_parallel_support_is_rejected(
     monkeypatch.setitem(models.MODELS, "llama3", spec)
     with pytest.raises(ConfigError, match="does not support context parallel"):
         validate_config(_cfg("--parallelism.context_parallel_degree", "2"), world_size=2)
+
+
+def _ring_batch_rank() -> dict[str, Any]:
+    """The ring method's batch context on CPU: torch shards inputs, labels and the RoPE table
+    in place; the layout must be ours, or RoPE positions would not match the tokens."""
+    import os
+
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.distributed.context_parallel import ContextParallel
+
+    cp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
+    part = nn.Module()
+    table = torch.arange(16 * 3, dtype=torch.float32).view(16, 3)
+    part.register_buffer("freqs_cis", table.clone())
+    inputs, labels = torch.arange(32).view(2, 16), torch.arange(32).view(2, 16) + 100
+    out: dict[str, Any] = {}
+    with ContextParallel(mesh, "ring", [part]).batch(inputs, labels) as (i, lab):
+        out["inputs_ok"] = torch.equal(i, shard_sequence(torch.arange(32).view(2, 16), cp, rank))
+        out["labels_ok"] = torch.equal(
+            lab, shard_sequence(torch.arange(32).view(2, 16) + 100, cp, rank)
+        )
+        out["table_ok"] = torch.equal(part.freqs_cis, shard_sequence(table, cp, rank, dim=0))
+    out["table_restored"] = torch.equal(part.freqs_cis, table)
+    return out
+
+
+def test_ring_method_shards_like_allgather() -> None:
+    for r in run_ranks(_ring_batch_rank, 2, timeout=120):
+        assert r == {"inputs_ok": True, "labels_ok": True, "table_ok": True, "table_restored": True}
