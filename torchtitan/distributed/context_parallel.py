@@ -95,8 +95,7 @@ class AllGatherKVAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cp, n_rep = self.cp, self.n_rep
-        bs, _, local_len, head_dim = k.shape
-        c = local_len // 2
+        c = k.shape[2] // 2  # this rank holds two chunks of c tokens
         # One collective for K and V, sequence first: [L, 2, B, Hkv, Dh] -> [cp * L, ...].
         kv = torch.stack((k[:, ::n_rep], v[:, ::n_rep])).movedim(3, 0).contiguous()
         gathered = all_gather_single(kv, 0, self.cp_mesh)
