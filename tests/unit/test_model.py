@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -148,7 +149,10 @@ def test_tied_embeddings_survive_to_empty() -> None:
 
 def test_dtype_cast_keeps_complex_rope_table() -> None:
     model = build(tiny_args())
-    with pytest.warns(UserWarning):  # torch's own warning about casting the complex buffer
+    # torch warns about casting the complex buffer, but only once per process (TORCH_WARN_ONCE),
+    # so whether it shows here depends on which tests ran before: not asserted.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
         model.to(torch.float64)
     assert model.freqs_cis.dtype == torch.complex64
     assert torch.equal(model.freqs_cis, precompute_freqs_cis(16, 64, 500000.0))
