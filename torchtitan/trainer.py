@@ -345,20 +345,13 @@ class Trainer:
         """Summed token loss and token count of one validation batch, forward only (the
         Validator's hook). Under PP only the last stage has a loss: ``None`` elsewhere."""
         if self.pipeline is not None:
-            # Forward-only run of the same schedule (torch switches the stages to eval mode and
-            # back). pipeline_loss divides each microbatch's mean by microbatches x accumulation.
-            pipe = self.pipeline
-            losses: list[torch.Tensor] | None = [] if pipe.has_last else None
+            # Forward-only run of the same schedule. pipeline_loss divides each microbatch's
+            # mean by microbatches x accumulation, so the sum times accumulation is the mean.
             with self.train_context(), self.sequence_share(inputs, labels) as (inputs, labels):
-                pipe.schedule.eval(
-                    *((inputs,) if pipe.has_first else ()),
-                    target=labels if pipe.has_last else None,
-                    losses=losses,
-                    return_outputs=False,
-                )
-            if losses is None:
+                summed = self.pipeline.eval(inputs, labels)
+            if summed is None:
                 return None
-            mean = torch.stack([x.detach() for x in losses]).sum() * self.grad_accum_steps
+            mean = summed * self.grad_accum_steps
             return dist_utils.local_tensor(mean) * labels.numel(), labels.numel()
         with self.train_context(), self.sequence_share(inputs, labels) as (inputs, labels):
             loss = self.loss_fn(self.model(inputs), labels)

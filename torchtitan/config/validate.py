@@ -35,7 +35,7 @@ def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
     from torchtitan.distributed.pipeline_parallel import (
         SCHEDULES,
         normalize_schedule_name,
-        plan_pipeline,
+        plan_from_config,
     )
     from torchtitan.models import MODELS
 
@@ -52,16 +52,8 @@ def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
             "puts on different stages",
             "use a flavor with untied embeddings, or pipeline_parallel_degree 1",
         )
-    plan = plan_pipeline(
-        n_layers=args.n_layers,
-        pp_degree=p.pipeline_parallel_degree,
-        schedule=p.pipeline_parallel_schedule,
-        split_points=p.pipeline_parallel_split_points,
-        layers_per_stage=p.pipeline_parallel_layers_per_stage,
-        microbatches=p.pipeline_parallel_microbatches,
-        microbatch_size=p.pipeline_parallel_microbatch_size,
-        local_batch_size=cfg.training.local_batch_size,
-    )
+    plan = plan_from_config(p, args.n_layers, cfg.training.local_batch_size)
+    assert plan is not None
     if cfg.compile.enable and SCHEDULES[plan.schedule].refuses_compile:
         raise ConfigError(
             "parallelism.pipeline_parallel_schedule",

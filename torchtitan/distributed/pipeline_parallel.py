@@ -29,6 +29,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from torchtitan.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torchtitan.config.job_config import Parallelism
 
 _F = "parallelism.pipeline_parallel_"
 
@@ -199,6 +203,23 @@ def _even_starts(n_units: int, num_stages: int) -> list[int]:
         pos += size
         starts.append(pos)
     return starts
+
+
+def plan_from_config(p: Parallelism, n_layers: int, local_batch_size: int) -> PipelinePlan | None:
+    """``plan_pipeline`` for a ``[parallelism]`` section and a model of ``n_layers`` blocks
+    (None without pipeline parallel)."""
+    if p.pipeline_parallel_degree <= 1:
+        return None
+    return plan_pipeline(
+        n_layers=n_layers,
+        pp_degree=p.pipeline_parallel_degree,
+        schedule=p.pipeline_parallel_schedule,
+        split_points=p.pipeline_parallel_split_points,
+        layers_per_stage=p.pipeline_parallel_layers_per_stage,
+        microbatches=p.pipeline_parallel_microbatches,
+        microbatch_size=p.pipeline_parallel_microbatch_size,
+        local_batch_size=local_batch_size,
+    )
 
 
 def plan_pipeline(
@@ -373,8 +394,18 @@ class Pipeline:
         Returns the sum of the microbatch losses (each already scaled by the loss function) on
         the rank holding the last stage, ``None`` elsewhere: other stages have no loss.
         """
+        return self._run(self.schedule.step, inputs, labels)
+
+    def eval(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward only (validation), like ``step``: torch runs the schedule with the stages
+        in eval mode and switches them back."""
+        return self._run(self.schedule.eval, inputs, labels)
+
+    def _run(
+        self, run: Callable[..., object], inputs: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor | None:
         losses: list[torch.Tensor] | None = [] if self.has_last else None
-        self.schedule.step(
+        run(
             *((inputs,) if self.has_first else ()),
             target=labels if self.has_last else None,
             losses=losses,

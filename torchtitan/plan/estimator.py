@@ -45,7 +45,7 @@ from torchtitan.distributed.pipeline_parallel import (
     HEAD,
     SCHEDULES,
     PipelinePlan,
-    plan_pipeline,
+    plan_from_config,
 )
 from torchtitan.models.llama3.args import ModelArgs
 
@@ -286,19 +286,7 @@ def estimate_memory(
 
 
 def _pipeline_plan(cfg: JobConfig, a: ModelArgs) -> PipelinePlan | None:
-    p = cfg.parallelism
-    if p.pipeline_parallel_degree <= 1:
-        return None
-    return plan_pipeline(
-        n_layers=a.n_layers,
-        pp_degree=p.pipeline_parallel_degree,
-        schedule=p.pipeline_parallel_schedule,
-        split_points=p.pipeline_parallel_split_points,
-        layers_per_stage=p.pipeline_parallel_layers_per_stage,
-        microbatches=p.pipeline_parallel_microbatches,
-        microbatch_size=p.pipeline_parallel_microbatch_size,
-        local_batch_size=cfg.training.local_batch_size,
-    )
+    return plan_from_config(cfg.parallelism, a.n_layers, cfg.training.local_batch_size)
 
 
 def param_dtype_bytes(cfg: JobConfig, device_type: str) -> int:
