@@ -11,33 +11,16 @@ arguments so you can check them against the flavor you train with.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan.components.checkpoint_io import write_model_weights  # noqa: E402
+from torchtitan.components.checkpoint_io import read_hf_folder, write_model_weights  # noqa: E402
 from torchtitan.models.llama3.state_dict_adapter import (  # noqa: E402
     Llama3StateDictAdapter,
     args_from_hf_config,
 )
-
-
-def load_hf(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json, every tensor of the folder's safetensors files)."""
-    from safetensors.torch import load_file
-
-    config = json.loads((folder / "config.json").read_text())
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} has no .safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return config, tensors
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("output", type=Path, help="checkpoint root; step-<step> is created in it")
     p.add_argument("--step", type=int, default=0)
     a = p.parse_args(argv)
-    config, hf = load_hf(a.hf_folder)
+    config, hf = read_hf_folder(a.hf_folder)
     args = args_from_hf_config(config)
     model = Llama3StateDictAdapter(args).from_hf(hf)
     path = write_model_weights(a.output, a.step, model)

@@ -50,15 +50,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def load_weights(path: Path, hf: bool, flavor: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """Model args and the full (unsharded) native state dict of a checkpoint, in this process."""
     if hf:
-        from safetensors.torch import load_file
-
-        args = args_from_hf_config(json.loads((path / "config.json").read_text()))
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path} holds no *.safetensors files")
-        hf_sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            hf_sd.update(load_file(str(f)))
+        config, hf_sd = io.read_hf_folder(path)
+        args = args_from_hf_config(config)
         return args, Llama3StateDictAdapter(args).from_hf(hf_sd)
     if not (path / ".metadata").is_file():  # the checkpoint root: take the newest valid step
         found = io.find_checkpoint(path, skip_exports=False)  # the final export is the model

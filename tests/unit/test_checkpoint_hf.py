@@ -11,7 +11,11 @@ from types import ModuleType
 import pytest
 import torch
 
-from torchtitan.components.checkpoint_io import read_model_weights, write_model_weights
+from torchtitan.components.checkpoint_io import (
+    read_hf_folder,
+    read_model_weights,
+    write_model_weights,
+)
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.state_dict_adapter import (
@@ -85,7 +89,7 @@ def test_hf_to_ours_to_hf_is_bit_identical(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(**Llama3StateDictAdapter(ARGS).hf_config())
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf_in")
-    original = _script("convert_from_hf").load_hf(tmp_path / "hf_in")[1]
+    original = read_hf_folder(tmp_path / "hf_in")[1]
 
     assert _script("convert_from_hf").main([str(tmp_path / "hf_in"), str(tmp_path / "ck")]) == 0
     ours = read_model_weights(tmp_path / "ck" / "step-0")
@@ -103,7 +107,7 @@ def test_hf_to_ours_to_hf_is_bit_identical(tmp_path: Path) -> None:
         torch.float32,
         shard_mb=4096,
     )
-    back = _script("convert_from_hf").load_hf(tmp_path / "hf_out")[1]
+    back = read_hf_folder(tmp_path / "hf_out")[1]
     assert set(back) == set(original)
     for k in original:
         assert back[k].dtype == original[k].dtype and torch.equal(back[k], original[k]), k

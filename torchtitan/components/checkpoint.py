@@ -309,14 +309,10 @@ class CheckpointManager:
     def _load_hf(self, folder: Path) -> None:
         """Initial weights from a Hugging Face folder (``*.safetensors``): every rank reads the
         full tensors and keeps its shards."""
-        from safetensors.torch import load_file
-
         if self.hf_adapter is None:
             raise RuntimeError("checkpoint.initial_load_in_hf: this model has no HF adapter")
         t0 = time.perf_counter()
-        hf: dict[str, torch.Tensor] = {}
-        for f in sorted(folder.glob("*.safetensors")):
-            hf.update(load_file(str(f)))
+        _, hf = io.read_hf_folder(folder)
         full = self.hf_adapter.from_hf(hf)
         options = StateDictOptions(full_state_dict=True, strict=False)
         for part in self.model_parts:

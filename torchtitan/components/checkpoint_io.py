@@ -261,3 +261,17 @@ def write_model_weights(root: Path, step: int, model: dict, kind: str = "seed") 
     tmp.mkdir(parents=True)
     dcp.save({"model": model}, checkpoint_id=str(tmp), no_dist=True)
     return commit(root, step, {}, world_size=1, kind=kind)
+
+
+def read_hf_folder(folder: Path) -> tuple[dict, dict]:
+    """A Hugging Face model folder: (``config.json`` as a dict, every tensor of its
+    ``*.safetensors`` files, sharded or not, by HF name)."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors files")
+    tensors: dict = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return json.loads((folder / "config.json").read_text()), tensors
