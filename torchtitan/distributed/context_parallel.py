@@ -101,7 +101,8 @@ class AllGatherKVAttention(nn.Module):
         gathered = all_gather_single(kv, 0, self.cp_mesh)
         # Rank order [r0 head, r0 tail, r1 head, ...] -> global chunk order 0..2cp-1.
         chunks = gathered.view(2 * cp, c, *kv.shape[1:])
-        full = chunks[torch.tensor(self.order, device=kv.device)].flatten(0, 1)
+        # (views and one cat: no index tensor to copy to the device in every layer)
+        full = torch.cat([chunks[i] for i in self.order])
         full = full.movedim(0, 3)  # [2, B, Hkv, S, Dh]
         k_all, v_all = full[0], full[1]
         if n_rep > 1:
