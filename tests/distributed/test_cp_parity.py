@@ -79,3 +79,42 @@ def test_cp2_compiled_matches_single_process(reference: list[dict], tmp_path: Pa
     compile_args = ["--compile.enable", "--compile.cache_dir", cache]
     overrides = [CP, "2", LB, "8", *compile_args]
     check_parity(reference, overrides, 2, tmp_path, label="CP 2 + compile")
+
+
+def _shapes_seen(argv: list[str], dump: str) -> dict:
+    """One training step; what the model's forward received on this rank."""
+    from tests.parity import DEBUG_TOML, TINY
+    from torchtitan.config.manager import parse_args
+    from torchtitan.distributed.utils import destroy_distributed
+    from torchtitan.trainer import Trainer
+
+    cfg = parse_args(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *TINY, *argv])
+    trainer = Trainer(cfg)
+    seen: dict = {}
+
+    def record(module, args, kwargs):  # type: ignore[no-untyped-def]
+        seen["tokens"] = tuple(args[0].shape)
+        seen["positions"] = kwargs["positions"].tolist()
+
+    # Registered after apply_cp's positions hook, so it sees what the model will use.
+    trainer.model.register_forward_pre_hook(record, with_kwargs=True)
+    trainer.step = 1
+    try:
+        trainer.train_step()
+    finally:
+        trainer.close()
+        destroy_distributed()
+    seen["core"] = type(trainer.model.layers["0"].attention.core).__name__
+    return seen
+
+
+def test_each_cp_rank_trains_on_its_share(tmp_path: Path) -> None:
+    """Parity alone cannot tell CP from no CP (both match one process): check that each rank's
+    forward gets 64 / 2 tokens, at the head-tail global positions, with the all-gather core."""
+    from tests.launcher import run_ranks
+
+    r0, r1 = run_ranks(_shapes_seen, 2, [CP, "2", LB, "8", "--training.steps", "1"], str(tmp_path))
+    assert r0["tokens"] == r1["tokens"] == (8, 32)
+    assert r0["positions"] == [*range(0, 16), *range(48, 64)]
+    assert r1["positions"] == [*range(16, 48)]
+    assert r0["core"] == r1["core"] == "AllGatherKVAttention"

@@ -151,6 +151,16 @@ def test_ring_attention_is_cuda_only() -> None:
     assert "needs CUDA" in str(e.value) and "allgather" in e.value.fix
 
 
+def test_rotate_method_needs_ring_attention() -> None:
+    cfg = _cfg(
+        "--parallelism.context_parallel_degree", "2",
+        "--parallelism.context_parallel_rotate_method", "alltoall",
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, world_size=2)
+    assert e.value.field == "parallelism.context_parallel_rotate_method"
+
+
 def test_model_without_context_parallel_support_is_rejected(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -71,9 +71,18 @@ def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
     over TP for sequence parallel), ring attention only on CUDA."""
     from torchtitan.models import MODELS
 
+    p = cfg.parallelism
+    if p.context_parallel_rotate_method != "allgather" and p.context_parallel_method != "ring":
+        raise ConfigError(
+            "parallelism.context_parallel_rotate_method",
+            p.context_parallel_rotate_method,
+            "only ring attention rotates K/V shards, and context_parallel_method is "
+            f"{p.context_parallel_method!r}",
+            "drop it, or add --parallelism.context_parallel_method ring (CUDA)",
+        )
     if cp < 2:
         return
-    field, p = "parallelism.context_parallel_degree", cfg.parallelism
+    field = "parallelism.context_parallel_degree"
     if not MODELS[cfg.model.name].supports_context_parallel:
         raise ConfigError(
             field,
