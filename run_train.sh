@@ -45,7 +45,7 @@ fi
 LOG_RANK="${LOG_RANK:-0}"
 if [[ "$LOG_RANK" == *last* || "$LOG_RANK" == *all* ]]; then
     # The ranks holding the last stage depend on the schedule and degrees: ask the config.
-    LOG_RANK="$("$python" -m torchtitan.distributed.pipeline_parallel "$LOG_RANK" "$NGPU" \
+    LOG_RANK="$("$python" -m torchtitan.log_ranks "$LOG_RANK" "$NGPU" \
         --job.config_file "$config" "$@")"
 fi
 

@@ -28,11 +28,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
-from torchtitan.models.llama3.args import LLAMA3_FLAVORS  # noqa: E402
-from torchtitan.models.llama3.model import Transformer  # noqa: E402
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.models.llama3.args import LLAMA3_FLAVORS
+from torchtitan.models.llama3.model import Transformer
 
 FLAVORS = {
     "debug": LLAMA3_FLAVORS["debugmodel"],

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _saved_bytes_meter():  # type: ignore[no-untyped-def]
@@ -60,14 +59,14 @@ def worker(seq_len: int, warmup: int, steps: int, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchtitan.config.manager import parse_args
     from torchtitan.distributed.utils import destroy_distributed
-    from torchtitan.tools.memory import DeviceMemoryMonitor
+    from torchtitan.preflight.validate import load_config
+    from torchtitan.tools.device_memory import DeviceMemoryMonitor
     from torchtitan.trainer import Trainer
 
     cp = int(os.environ["WORLD_SIZE"])
     dump = tempfile.mkdtemp(prefix="cp_bench_")
-    cfg = parse_args(
+    cfg = load_config(
         [
             "--job.config_file",
             str(ROOT / "train_configs" / "debug_model.toml"),

@@ -43,7 +43,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,17 +60,17 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from torchtitan.components.dataloader import build_dataloader
-    from torchtitan.config.manager import parse_args
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.distributed.compile import apply_compile
     from torchtitan.distributed.utils import destroy_distributed
     from torchtitan.models import MODELS
+    from torchtitan.preflight.validate import load_config
     from torchtitan.trainer import Trainer
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     total = args.warmup + args.steps * args.rounds
-    cfg = parse_args([*overrides, "--training.steps", str(total)])
+    cfg = load_config([*overrides, "--training.steps", str(total)])
     t = cfg.training
     if cfg.quantize.dense.float8.enable:
         raise SystemExit("overhead.py compares plain loops; drop --quantize.dense.float8.enable")
@@ -81,11 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     device = trainer.device
 
     # ---- the minimal loop's own model, optimizer and data
-    model = MODELS[cfg.model.name].model_cls(trainer.model_args).to(device)
+    spec = MODELS[cfg.model.name]
+    model = spec.build(trainer.model_args).to(device)
     model.init_weights(seed=cfg.debug.seed, buffer_device=device)  # type: ignore[operator]
-    apply_ac(model, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
+    blocks = spec.parallel_plan(trainer.model_args).blocks_of(model)
+    apply_ac(blocks, cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
-        apply_compile(model, backend=cfg.compile.backend)
+        apply_compile(blocks, backend=cfg.compile.backend)
     o = cfg.optimizer
     opt_cls = torch.optim.AdamW if o.name == "AdamW" else torch.optim.Adam
     impl = {"fused": {"fused": True}, "foreach": {"foreach": True}}.get(

@@ -51,7 +51,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 _COMPILE = ["--compile.enable"]
 _AC_FULL = ["--activation_checkpoint.mode", "full"]
@@ -108,12 +107,12 @@ def run_one(
     """Train ``warmup + steps`` steps of the config; returns the result (rank 0) or None."""
     import torch
 
-    from torchtitan.config.manager import parse_args
     from torchtitan.distributed.utils import destroy_distributed
+    from torchtitan.preflight.validate import load_config
     from torchtitan.tools.peak_flops import datasheet_peak_flops, measure_matmul_peak_flops
     from torchtitan.trainer import Trainer
 
-    cfg = parse_args([*overrides, "--training.steps", str(warmup + steps)])
+    cfg = load_config([*overrides, "--training.steps", str(warmup + steps)])
     trainer = Trainer(cfg)
     logged: list[dict] = []
     stamps: list[float] = []

@@ -14,10 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from torchtitan.components.checkpoint_io import read_hf_folder, write_model_weights  # noqa: E402
-from torchtitan.models.llama3.state_dict_adapter import (  # noqa: E402
+from torchtitan.components.checkpoint_io import read_hf_folder, write_model_weights
+from torchtitan.models.llama3.state_dict_adapter import (
     Llama3StateDictAdapter,
     args_from_hf_config,
 )

@@ -20,11 +20,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from torchtitan.components.checkpoint_io import read_model_weights  # noqa: E402
-from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
-from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter  # noqa: E402
+from torchtitan.components.checkpoint_io import read_model_weights
+from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs
+from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -31,14 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from torchtitan.components import checkpoint_io as io  # noqa: E402
-from torchtitan.components.tokenizer import build_tokenizer  # noqa: E402
-from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
-from torchtitan.models.llama3.kv_cache import KVCache  # noqa: E402
-from torchtitan.models.llama3.model import Transformer  # noqa: E402
-from torchtitan.models.llama3.state_dict_adapter import (  # noqa: E402
+from torchtitan.components import checkpoint_io as io
+from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs
+from torchtitan.models.llama3.kv_cache import KVCache
+from torchtitan.models.llama3.model import Transformer
+from torchtitan.models.llama3.state_dict_adapter import (
     Llama3StateDictAdapter,
     args_from_hf_config,
 )
@@ -85,10 +83,12 @@ def build_model(
         from torch.distributed.device_mesh import init_device_mesh
 
         from torchtitan.distributed.tensor_parallel import apply_tp
+        from torchtitan.models.llama3.parallel_plan import llama3_parallel_plan
 
         mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
         # Logits gathered to every rank (no loss parallel): each rank samples from them.
-        apply_tp(model, mesh, loss_parallel=False)
+        tp_plan = llama3_parallel_plan(args).tensor_parallel
+        apply_tp(model, model.layers, mesh, tp_plan, loss_parallel=False)
         model.to_empty(device=device)
         # Every rank holds the full weights and keeps its shards.
         full: dict[str, Any] = dict(sd)

@@ -35,7 +35,6 @@ import argparse
 import base64
 import heapq
 import json
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -43,11 +42,7 @@ from pathlib import Path
 
 import regex
 
-try:
-    from torchtitan.components.tokenizer import SPLIT_PATTERN
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from torchtitan.components.tokenizer import SPLIT_PATTERN
+from torchtitan.components.tokenizer import SPLIT_PATTERN
 
 Pair = tuple[int, int]
 

@@ -6,7 +6,11 @@ import os
 import sys
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.manager import help_text, parse_args
+from torchtitan.config.manager import help_text
+from torchtitan.distributed.utils import destroy_distributed
+from torchtitan.plan.explain import explain
+from torchtitan.preflight.validate import load_config, world_size_from_env
+from torchtitan.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,20 +19,14 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     try:
-        cfg = parse_args(argv)  # validation happens here, before any process group
+        cfg = load_config(argv)  # parse and validate, before any process group
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if cfg.job.explain:  # the preflight plan, then exit: no process group, no training
-        from torchtitan.config.validate import world_size_from_env
-        from torchtitan.plan.explain import explain
-
         if int(os.environ.get("RANK", "0")) == 0:
             print(explain(cfg, world_size_from_env()))
         return 0
-
-    from torchtitan.distributed.utils import destroy_distributed
-    from torchtitan.trainer import Trainer
 
     trainer = Trainer(cfg)
     try:

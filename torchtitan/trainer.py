@@ -1,70 +1,75 @@
-"""The Trainer: builds everything in the order of DESIGN section 3, then runs the loop.
+"""The Trainer: builds everything in the order of docs/architecture.md (section 3), then runs
+the loop.
 
-Read top-down: ``__init__`` is the build order, ``train_step`` is one optimizer step with
-gradient accumulation, ``train`` is the loop with metrics at ``log_freq``.
+Read top-down: ``__init__`` is the build order (one named step each; the builders themselves
+are in ``torchtitan/builders.py``), ``train_step`` is one optimizer step with gradient
+accumulation, ``train`` is the loop with metrics at ``log_freq``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import gc
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan.builders import (
+    build_checkpointer,
+    build_meta_model,
+    build_metrics,
+    build_model_parts,
+    build_profiling,
+    build_rank_dataloader,
+    peak_flops,
+)
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.dataloader import ParallelAwareDataloader, build_dataloader
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_scheduler
-from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.metrics_writers import MetricWriter, build_writers
+from torchtitan.components.metrics_writers import MetricWriter
 from torchtitan.components.nonfinite import NonFiniteGuard
 from torchtitan.components.optimizer import build_optimizer
 from torchtitan.components.tokenizer import build_tokenizer
-from torchtitan.components.validate import Validator
+from torchtitan.components.validation_loss import Validator
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_toml
-from torchtitan.config.validate import pipeline_plan
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.compile import compile_loss, set_compile_cache_dir
 from torchtitan.distributed.context_parallel import ContextParallel
-from torchtitan.distributed.float8 import apply_float8, register_float8_precompute_hook
+from torchtitan.distributed.float8 import register_float8_precompute_hook
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline, split_model
-from torchtitan.models import MODELS
+from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
+from torchtitan.models import MODELS, runtime_args
+from torchtitan.preflight.validate import pipeline_plan
 from torchtitan.tools.logging import init_logger, logger
-from torchtitan.tools.memory import DeviceMemoryMonitor
-from torchtitan.tools.memory_monitor import MemoryMonitor
-from torchtitan.tools.peak_flops import datasheet_peak_flops, measure_matmul_peak_flops
-from torchtitan.tools.profiling import Profiling
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto`` is bf16 on CUDA (tensor cores) and fp32 on CPU (bf16 matmuls are slow there)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
+        """Build in order; the config was validated before we got here."""
         self.cfg = cfg
-        t, p = cfg.training, cfg.parallelism
+        self._init_distributed()  # process group, mesh, pipeline plan, log prefix, seeds
+        self._build_data()  # tokenizer, data loader, batch plan
+        self._build_model()  # meta model, converters, parallelisms, weights, pipeline, CP
+        self._build_optimizer()  # optimizer and LR schedule
+        self._build_observability()  # metrics, non-finite guard, validation, profiler
+        self._build_checkpointer()  # resume from the newest valid checkpoint
+        logger.info(
+            f"{self.batch.describe()}; seq_len {cfg.training.seq_len}; "
+            f"param dtype {self.param_dtype}"
+        )
 
-        # 1. Process group, then the mesh. Degrees were validated before we got here.
+    # ------------------------------------------------------------------ build steps
+    def _init_distributed(self) -> None:
+        cfg = self.cfg
         self.device, world_size, self.rank = dist_utils.init_distributed(
             cfg.comm.init_timeout_seconds
         )
-        self.parallel_dims = dims = ParallelDims.from_config(p, world_size)
+        self.parallel_dims = dims = ParallelDims.from_config(cfg.parallelism, world_size)
         dims.build_mesh(self.device.type)
-        # Pipeline split and microbatches (validated already); None without PP.
         self.pp_plan = pipeline_plan(cfg)
         self.pp_stage_ids = self.pp_plan.stage_ids(dims.coordinates()["pp"]) if self.pp_plan else []
         init_logger(prefix=f"[{dims.describe_rank(self.rank)}{self._stages_text()}] ")
@@ -73,105 +78,108 @@ class Trainer:
             logger.info("resolved config:\n" + to_toml(cfg))
         dist_utils.set_determinism(cfg.debug.seed, cfg.debug.deterministic)
 
-        # 2. Tokenizer and data, sharded by the data-parallel coordinates only.
-        self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        self.dataloader = self._build_dataloader(t.dataset, t.dataset_path, "train", infinite=True)
-        global_batch = (
-            t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_degree
+    def _build_data(self) -> None:
+        t = self.cfg.training
+        self.tokenizer = build_tokenizer(self.cfg.model.tokenizer_path)
+        self.dataloader = build_rank_dataloader(
+            self.cfg, self.parallel_dims, self.tokenizer, t.dataset, t.dataset_path, "train", True
         )
-        self.grad_accum_steps = global_batch // (t.local_batch_size * dims.dp_degree)
-
-        # 3. Model on meta: no memory is used until the parallelized model is materialized.
-        spec = MODELS[cfg.model.name]
-        self.model_args = dataclasses.replace(
-            spec.flavors[cfg.model.flavor],
-            vocab_size=self.tokenizer.vocab_size,
-            max_seq_len=t.seq_len,
+        self.batch = self.parallel_dims.batch_plan(t.local_batch_size, t.global_batch_size)
+        self.grad_accum_steps = self.batch.grad_accum_steps
+        # Tokens per step that count for this device: a rank's data-parallel share, divided
+        # among the ranks that split the same tokens (TP, CP, PP).
+        self.tokens_per_step = t.local_batch_size * t.seq_len * self.grad_accum_steps
+        self.device_tokens_per_step = (
+            self.tokens_per_step // self.parallel_dims.non_data_parallel_size
         )
-        with torch.device("meta"):
-            model = spec.model_cls(self.model_args)
-        n_params = self.model_args.num_params()
-        logger.info(f"model {cfg.model.name} {cfg.model.flavor}: {n_params:,} parameters")
-        # Converters, on the meta model before any parallelism: float8 linears (torchao).
-        f8 = cfg.quantize.dense.float8
-        if f8.enable:
-            apply_float8(
-                model,
-                recipe_name=f8.recipe_name,
-                filter_fqns=f8.filter_fqns,
-                auto_filter_small_kn=f8.auto_filter_small_kn,
-                enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather
-                and dims.fsdp_enabled,
-                emulate=f8.emulate,
-                device_type=self.device.type,
-            )
-        # The loss function; compiled (lazily, at its first call) when compile lists it.
-        self.loss_fn = cross_entropy_loss
-        if cfg.compile.enable:
-            # Ranks at different TP/CP coordinates compile different graphs: separate caches.
-            coords = dims.coordinates()
-            cache = set_compile_cache_dir(
-                cfg.compile.cache_dir,
-                base_folder=cfg.job.dump_folder,
-                rank_subdir=f"tp{coords['tp']}_cp{coords['cp']}"
-                if dims.tp_enabled or dims.cp_enabled
-                else None,
-            )
-            logger.info(f"compile cache: {cache}")
-            if "loss" in cfg.compile.components:
-                self.loss_fn = compile_loss(cross_entropy_loss, backend=cfg.compile.backend)
+        self.global_tokens_per_step = self.batch.global_batch_size * t.seq_len
 
-        # 4. Parallelize (the model's fixed-order plan), then materialize and initialize.
-        self.param_dtype = resolve_param_dtype(t.mixed_precision_param, self.device)
-        reduce_dtype = _DTYPES[t.mixed_precision_reduce]
-        # The modules this rank trains: under PP, one copy of the meta model per local stage
-        # with only what that stage owns, each parallelized on its own.
-        self.model_parts: list[nn.Module] = [
-            spec.parallelize(part, dims, cfg, self.param_dtype, reduce_dtype)
-            for part in (
-                [split_model(model, self.pp_plan.stage_units[i]) for i in self.pp_stage_ids]
-                if self.pp_plan
-                else [model]
-            )
-        ]
+    def _build_model(self) -> None:
+        cfg, dims = self.cfg, self.parallel_dims
+        self.spec = MODELS[cfg.model.name]
+        self.model_args = runtime_args(
+            self.spec, cfg.model.flavor, self.tokenizer.vocab_size, cfg.training.seq_len
+        )
+        model = build_meta_model(cfg, self.spec, self.model_args, dims, self.device)
+        self.loss_fn = self._build_loss_fn()
+        self.param_dtype = dist_utils.resolve_dtype(
+            cfg.training.mixed_precision_param, self.device.type
+        )
+        reduce_dtype = dist_utils.resolve_dtype(
+            cfg.training.mixed_precision_reduce, self.device.type
+        )
+        self.model_parts: list[nn.Module] = build_model_parts(
+            cfg,
+            self.spec,
+            self.model_args,
+            model,
+            dims,
+            self.pp_plan,
+            (self.param_dtype, reduce_dtype),
+            self.device,
+        )
         self.model = self.model_parts[0]
-        for part in self.model_parts:
-            part.to_empty(device=self.device)
-            part.init_weights(seed=cfg.debug.seed, buffer_device=self.device)  # type: ignore[operator]
-            part.train()
-        self.pipeline: Pipeline | None = None
-        if self.pp_plan is not None:
-            self.pipeline = build_pipeline(
-                self.model_parts,
-                self.pp_plan,
-                pp_rank=dims.coordinates()["pp"],
-                pp_group=dims.get_mesh("pp").get_group(),
-                device=self.device,
-                loss_fn=self.pipeline_loss,
-                get_mesh=lambda names: (
-                    dims.get_mesh(names[0]) if len(names) == 1 else dims.world_mesh[names]
-                ),
-            )
-            n_mb = self.pp_plan.n_microbatches
-            mb = t.local_batch_size // n_mb
-            logger.info(
-                f"pipeline {self.pp_plan.schedule}: {self.pp_plan.num_stages} stages, {n_mb} "
-                f"microbatches of {mb} sequence{'s' if mb > 1 else ''}; {self.pp_plan.describe()}"
-            )
+        self.pipeline = self._build_pipeline()
+        self.cp = self._build_context_parallel()
 
-        # Context parallel: each rank trains on its load-balanced share of every sequence.
-        self.cp: ContextParallel | None = None
-        if dims.cp_enabled:
-            p = cfg.parallelism
-            self.cp = ContextParallel(
-                dims.get_mesh("cp"),
-                p.context_parallel_method,
-                self.model_parts,
-                rotate_method=p.context_parallel_rotate_method,
-            )
+    def _build_loss_fn(self):  # type: ignore[no-untyped-def]
+        """Cross-entropy, compiled (lazily, at its first call) when compile lists the loss."""
+        cfg = self.cfg
+        if not cfg.compile.enable:
+            return cross_entropy_loss
+        # Ranks at different TP/CP coordinates compile different graphs: separate caches.
+        dims, coords = self.parallel_dims, self.parallel_dims.coordinates()
+        cache = set_compile_cache_dir(
+            cfg.compile.cache_dir,
+            base_folder=cfg.job.dump_folder,
+            rank_subdir=f"tp{coords['tp']}_cp{coords['cp']}"
+            if dims.tp_enabled or dims.cp_enabled
+            else None,
+        )
+        logger.info(f"compile cache: {cache}")
+        if "loss" in cfg.compile.components:
+            return compile_loss(cross_entropy_loss, backend=cfg.compile.backend)
+        return cross_entropy_loss
 
-        # 5. Optimizer and LR schedule.
-        o, s = cfg.optimizer, cfg.lr_scheduler
+    def _build_pipeline(self) -> Pipeline | None:
+        if self.pp_plan is None:
+            return None
+        dims = self.parallel_dims
+        pipeline = build_pipeline(
+            self.model_parts,
+            self.pp_plan,
+            pp_rank=dims.coordinates()["pp"],
+            pp_group=dims.get_mesh("pp").get_group(),
+            device=self.device,
+            loss_fn=self.pipeline_loss,
+            get_mesh=lambda names: (
+                dims.get_mesh(names[0]) if len(names) == 1 else dims.world_mesh[names]
+            ),
+        )
+        n_mb = self.pp_plan.n_microbatches
+        mb = self.cfg.training.local_batch_size // n_mb
+        logger.info(
+            f"pipeline {self.pp_plan.schedule}: {self.pp_plan.num_stages} stages, {n_mb} "
+            f"microbatches of {mb} sequence{'s' if mb > 1 else ''}; {self.pp_plan.describe()}"
+        )
+        return pipeline
+
+    def _build_context_parallel(self) -> ContextParallel | None:
+        """Under CP each rank trains on its load-balanced share of every sequence."""
+        if not self.parallel_dims.cp_enabled:
+            return None
+        p = self.cfg.parallelism
+        plan = self.spec.parallel_plan(self.model_args).context_parallel
+        return ContextParallel(
+            self.parallel_dims.get_mesh("cp"),
+            p.context_parallel_method,
+            self.model_parts,
+            rotate_method=p.context_parallel_rotate_method,
+            rope_buffer=plan.rope_buffer if plan else None,
+        )
+
+    def _build_optimizer(self) -> None:
+        o, s, t = self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training
         self.optimizer = build_optimizer(
             self.model_parts,
             o.name,
@@ -190,141 +198,35 @@ class Trainer:
             decay_type=s.decay_type,
             min_lr_factor=s.min_lr_factor,
         )
-        if f8.enable and f8.precompute_float8_dynamic_scale_for_fsdp and dims.fsdp_enabled:
+        f8 = self.cfg.quantize.dense.float8
+        if (
+            f8.enable
+            and f8.precompute_float8_dynamic_scale_for_fsdp
+            and self.parallel_dims.fsdp_enabled
+        ):
             register_float8_precompute_hook(self.optimizer, self.model_parts)
 
-        # 6. Metrics. MFU needs a peak: the datasheet's for a known GPU, else measured here.
-        peak = datasheet_peak_flops(self.device, self.param_dtype)
-        source = "datasheet"
-        if peak is None:
-            peak, source = (
-                measure_matmul_peak_flops(self.device, self.param_dtype),
-                "measured matmul",
-            )
-        logger.info(f"peak {self.param_dtype} FLOP/s for MFU: {peak / 1e12:.3f} T ({source})")
-        m = cfg.metrics
-        writers = build_writers(
-            cfg.job.dump_folder,
-            enable_jsonl=m.enable_jsonl,
-            enable_tensorboard=m.enable_tensorboard,
-            enable_wandb=m.enable_wandb,
-            tb_folder=m.save_tb_folder,
-            rank=self.rank,
-            write_this_rank=m.save_for_all_ranks or self.rank == 0,
-            config_dict=dataclasses.asdict(cfg),
-            run_name=cfg.job.description,
+    def _build_observability(self) -> None:
+        """Metrics (MFU against a known or measured peak), the non-finite guard, validation
+        and the profiler (docs/observability.md)."""
+        cfg = self.cfg
+        peak = peak_flops(self.device, self.param_dtype)
+        logger.info(f"peak {self.param_dtype} FLOP/s for MFU: {peak[0] / 1e12:.3f} T ({peak[1]})")
+        flops = self.spec.flops_per_token(self.model_args, cfg.training.seq_len)
+        self.metrics, writers = build_metrics(
+            cfg, self.parallel_dims, self.pp_plan, self.device, self.rank, flops, peak
         )
-        self.metrics = MetricsProcessor(
-            device=self.device,
-            log_freq=m.log_freq,
-            total_steps=t.steps,
-            loss_mesh=dims.get_mesh("dp_cp"),
-            flops_per_token=self.model_args.flops_per_token(t.seq_len),
-            peak_flops=peak,
-            peak_flops_source=source,
-            writers=writers,
-            pp_mesh=dims.get_mesh("pp") if self.pp_plan else None,
-            pp_loss_rank=self.pp_plan.last_stage_pp_rank if self.pp_plan else 0,
-            memory_monitor=MemoryMonitor(
-                DeviceMemoryMonitor(self.device),
-                rank=self.rank,
-                warmup_steps=m.memory_warmup_steps,
-                leak_window=m.memory_leak_window,
-                leak_min_growth_mib=m.memory_leak_min_growth_mib,
-                trace_path=f"{cfg.job.dump_folder}/memory/rank_{self.rank}.jsonl"
-                if m.enable_memory_trace
-                else None,
-            ),
-            cross_rank_view=m.enable_cross_rank_view,
-        )
-        # 7. Observability (docs/observability.md): non-finite guard, validation, profiler.
         self.nonfinite = NonFiniteGuard(
-            t.nonfinite_policy, rank=self.rank, stage_ids=self.pp_stage_ids or None
+            cfg.training.nonfinite_policy, rank=self.rank, stage_ids=self.pp_stage_ids or None
         )
         self.validator = self._build_validator(writers) if cfg.validation.enable else None
-        pr = cfg.profiling
-        self.profiling = Profiling(
-            cfg.job.dump_folder,
-            enable_profiling=pr.enable_profiling,
-            traces_folder=pr.save_traces_folder,
-            profile_freq=pr.profile_freq,
-            warmup=pr.profiler_warmup,
-            active=pr.profiler_active,
-            enable_memory_snapshot=pr.enable_memory_snapshot,
-            snapshot_folder=pr.save_memory_snapshot_folder,
-            rank=self.rank,
-            device_type=self.device.type,
-        )
-        # Tokens per step that count for this device: a rank's data-parallel share, divided
-        # among the ranks that split the same tokens (TP, CP, PP).
-        self.tokens_per_step = t.local_batch_size * t.seq_len * self.grad_accum_steps
-        self.device_tokens_per_step = self.tokens_per_step // dims.non_data_parallel_size
-        self.step = 0
-        self.data_iter: Iterator | None = None
-        # 7. Checkpoints: resume from the newest valid one (model, optimizer, LR, data, RNG).
-        self.checkpointer: CheckpointManager | None = None
-        self.global_tokens_per_step = global_batch * t.seq_len
-        if cfg.checkpoint.enable:
-            ck = cfg.checkpoint
-            self.checkpointer = CheckpointManager(
-                root=Path(cfg.job.dump_folder) / ck.folder,
-                interval=ck.interval,
-                keep_latest_k=ck.keep_latest_k,
-                async_mode=ck.async_mode,
-                load_step=ck.load_step,
-                total_steps=t.steps,
-                model_parts=self.model_parts,
-                optimizer=self.optimizer,
-                lr_scheduler=self.lr_scheduler,
-                dataloader=self.dataloader,
-                verify_checksums=ck.verify_checksums,
-                exclude_from_loading=tuple(ck.exclude_from_loading),
-                initial_load_path=ck.initial_load_path,
-                initial_load_model_only=ck.initial_load_model_only,
-                initial_load_in_hf=ck.initial_load_in_hf,
-                hf_adapter=spec.state_dict_adapter(self.model_args)
-                if ck.initial_load_in_hf and spec.state_dict_adapter is not None
-                else None,
-                last_save_model_only=ck.last_save_model_only,
-                export_dtype=getattr(torch, ck.export_dtype),
-            )
-            resumed = self.checkpointer.load()
-            if resumed is not None:
-                self.step = resumed["step"]
-        logger.info(
-            f"global batch {global_batch} sequences = local {t.local_batch_size} x dp {dims.dp_degree} "
-            f"x grad accum {self.grad_accum_steps}; seq_len {t.seq_len}; param dtype {self.param_dtype}"
-        )
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        start = time.perf_counter()
-        if self.data_iter is None:
-            self.data_iter = iter(self.dataloader)
-        inputs, labels = next(self.data_iter)
-        self.metrics.add_data_time(time.perf_counter() - start)
-        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-
-    def _build_dataloader(
-        self, dataset: str, dataset_path: str | None, split: str, infinite: bool
-    ) -> ParallelAwareDataloader:
-        """A loader sharded by this rank's data-parallel coordinate only (TP/CP/PP peers share)."""
-        t, dp_mesh = self.cfg.training, self.parallel_dims.get_mesh("dp")
-        return build_dataloader(
-            dataset=dataset,
-            dataset_path=dataset_path,
-            tokenizer=self.tokenizer,
-            seq_len=t.seq_len,
-            local_batch_size=t.local_batch_size,
-            dp_rank=dp_mesh.get_local_rank(),
-            dp_world_size=dp_mesh.size(),
-            split=split,
-            infinite=infinite,
-            sharding=t.data_sharding,
-        )
+        self.profiling = build_profiling(cfg, self.rank, self.device)
 
     def _build_validator(self, writers: list[MetricWriter]) -> Validator:
         v, dims = self.cfg.validation, self.parallel_dims
-        loader = self._build_dataloader(v.dataset, v.dataset_path, "validation", infinite=False)
+        loader = build_rank_dataloader(
+            self.cfg, dims, self.tokenizer, v.dataset, v.dataset_path, "validation", False
+        )
         return Validator(
             dataloader=loader,
             freq=v.freq,
@@ -338,6 +240,34 @@ class Trainer:
             loss_mesh=dims.get_mesh("dp_cp"),
             pp_mesh=dims.get_mesh("pp") if dims.pp_enabled else None,
         )
+
+    def _build_checkpointer(self) -> None:
+        self.step = 0
+        self.data_iter: Iterator | None = None
+        self.checkpointer: CheckpointManager | None = None
+        if not self.cfg.checkpoint.enable:
+            return
+        self.checkpointer = build_checkpointer(
+            self.cfg,
+            self.spec,
+            self.model_args,
+            self.model_parts,
+            self.optimizer,
+            self.lr_scheduler,
+            self.dataloader,
+        )
+        resumed = self.checkpointer.load()
+        if resumed is not None:
+            self.step = resumed["step"]
+
+    # ------------------------------------------------------------------ one step
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        start = time.perf_counter()
+        if self.data_iter is None:
+            self.data_iter = iter(self.dataloader)
+        inputs, labels = next(self.data_iter)
+        self.metrics.add_data_time(time.perf_counter() - start)
+        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
     def validation_loss(
         self, inputs: torch.Tensor, labels: torch.Tensor

@@ -23,10 +23,10 @@ def _trainer_weights(argv: list[str], expected: dict[str, torch.Tensor]) -> list
     from ``expected`` (compared here: tensors cannot travel back through the result queue)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from torchtitan.config.manager import parse_args
+    from torchtitan.preflight.validate import load_config
     from torchtitan.trainer import Trainer
 
-    trainer = Trainer(parse_args(["--job.config_file", DEBUG_TOML, *argv]))
+    trainer = Trainer(load_config(["--job.config_file", DEBUG_TOML, *argv]))
     try:
         assert trainer.step == 0
         sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))

@@ -58,11 +58,11 @@ def _train_and_read_export(argv: list[str], dump: str) -> list[str]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from torchtitan.components.checkpoint_io import read_model_weights
-    from torchtitan.config.manager import parse_args
+    from torchtitan.preflight.validate import load_config
     from torchtitan.trainer import Trainer
 
     trainer = Trainer(
-        parse_args(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *argv])
+        load_config(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *argv])
     )
     try:
         trainer.train()

@@ -84,11 +84,11 @@ def test_cp2_compiled_matches_single_process(reference: list[dict], tmp_path: Pa
 def _shapes_seen(argv: list[str], dump: str) -> dict:
     """One training step; what the model's forward received on this rank."""
     from tests.parity import DEBUG_TOML, TINY
-    from torchtitan.config.manager import parse_args
     from torchtitan.distributed.utils import destroy_distributed
+    from torchtitan.preflight.validate import load_config
     from torchtitan.trainer import Trainer
 
-    cfg = parse_args(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *TINY, *argv])
+    cfg = load_config(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *TINY, *argv])
     trainer = Trainer(cfg)
     seen: dict = {}
 

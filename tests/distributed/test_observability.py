@@ -57,11 +57,11 @@ class _Slow:
 def _run(argv: list[str], dump: str, hooks: dict[str, Any]) -> dict[str, Any]:
     """Build the trainer (with test-only hooks), train, and return what rank r wrote and logged."""
     from torchtitan.components.nonfinite import NonFiniteError
-    from torchtitan.config.manager import parse_args
+    from torchtitan.preflight.validate import load_config
     from torchtitan.tools.logging import logger
     from torchtitan.trainer import Trainer
 
-    cfg = parse_args(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *TINY, *argv])
+    cfg = load_config(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *TINY, *argv])
     rank = int(os.environ["RANK"])
     capture = _Capture()
     logger.addHandler(capture)

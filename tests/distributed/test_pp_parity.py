@@ -5,7 +5,7 @@ combined with FSDP, TP, FSDP x TP (the seed's 3D command line on 8 ranks) and HS
 compared step by step with the single-process run: the loss (relative difference <= 1e-5) and
 the gradient norm, which under PP is reduced across the stages before clipping (a norm left
 unreduced would be far off: each stage holds part of the gradient). Runs that write metrics on
-every rank also check that every rank recorded the last stage's loss (DESIGN 1.1).
+every rank also check that every rank recorded the last stage's loss (docs/architecture.md, section 1).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 import torchtitan.train  # noqa: F401  (imported before the ranks fork, so they start fast)
 from tests.parity import assert_losses_match, losses, read_jsonl, train_metrics
-from torchtitan.distributed.pipeline_parallel import SCHEDULES
+from torchtitan.distributed.pipeline_plan import SCHEDULES
 
 STEPS = 10
 

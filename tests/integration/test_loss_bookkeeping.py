@@ -1,4 +1,5 @@
-"""DESIGN 1.2: loss bookkeeping between log steps is O(1) in device memory, whatever log_freq is.
+"""Loss bookkeeping between log steps is O(1) in device memory, whatever log_freq is
+(docs/architecture.md, section 1, promise 3).
 
 The trainer runs 200 steps; the bytes held by live tensors are measured (every tensor the garbage
 collector can see, storages counted once) after step 10 and after step 200. A loop that kept
@@ -33,10 +34,10 @@ def live_tensor_bytes() -> tuple[int, int]:
 
 
 def _run(log_freq: int, leak: bool, dump: str) -> dict[int, tuple[int, int]]:
-    from torchtitan.config.manager import parse_args
+    from torchtitan.preflight.validate import load_config
     from torchtitan.trainer import Trainer
 
-    cfg = parse_args(
+    cfg = load_config(
         [
             "--job.config_file",
             DEBUG_TOML,

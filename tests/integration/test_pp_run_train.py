@@ -1,4 +1,4 @@
-"""Tier 4 (DESIGN 1.1): run_train.sh with pipeline parallel on 2 CPU ranks, output of both shown.
+"""Tier 4 (docs/architecture.md, section 1, promise 2): run_train.sh with pipeline parallel on 2 CPU ranks, output of both shown.
 
 Only the last stage computes a loss. Every rank that logs must still print the real loss, the
 same on all ranks at each log step, finite, and never a placeholder such as -1. ``LOG_RANK`` is

@@ -20,7 +20,7 @@ WRAPPER = "_checkpoint_wrapped_module."
 def _build(mode: str = "none", option: str = "op") -> Transformer:
     model = Transformer(ARGS)
     model.init_weights(seed=0)
-    apply_ac(model, mode, option)
+    apply_ac(model.layers, mode, option)
     return model
 
 
@@ -141,4 +141,4 @@ def test_parse_selective_option_rejects(text: str) -> None:
 def test_apply_ac_twice_is_an_error() -> None:
     model = _build("full")
     with pytest.raises(RuntimeError, match="already"):
-        apply_ac(model, "full")
+        apply_ac(model.layers, "full")

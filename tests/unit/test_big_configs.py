@@ -4,8 +4,9 @@ One process plays one rank with torch's ``fake`` backend (collectives are no-ops
 built on the meta device, and the trainer's path runs unchanged: parse and validate the TOML at
 its world size -> ParallelDims and the world mesh -> (405B) the pipeline split of this rank's
 stages -> the float8 conversion where the config asks (405B; emulated, as on any machine
-without float8 hardware) -> ``parallelize_llama`` (TP with sequence/loss parallel, activation
-checkpointing, per-block compile where the config asks, FSDP2). Nothing is materialized.
+without float8 hardware) -> ``parallelize`` with the Llama 3 plan (TP with sequence/loss
+parallel, activation checkpointing, per-block compile where the config asks, FSDP2). Nothing is
+materialized.
 
 The checks are against arithmetic written out here, not against the code's own view: every
 parameter's local shard shape (TP splits the output dimension of column-parallel weights and
@@ -30,11 +31,12 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan.config import JobConfig, parse_args
 from torchtitan.config.__main__ import main as config_cli
-from torchtitan.config.validate import pipeline_plan, validate_config
 from torchtitan.distributed.float8 import apply_float8
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import split_model
 from torchtitan.models import MODELS
+from torchtitan.preflight.validate import pipeline_plan, validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 128256  # the Llama 3 tokenizer
@@ -72,7 +74,7 @@ def _load(name: str, world: int) -> JobConfig:
     it (its exit status must be 0), then parsed for the build."""
     path = str(ROOT / "train_configs" / name)
     assert config_cli(["--job.config_file", path, "--world_size", str(world)]) == 0
-    cfg = parse_args(["--job.config_file", path], validate=False)
+    cfg = parse_args(["--job.config_file", path])
     validate_config(cfg, world_size=world)
     return cfg
 
@@ -130,7 +132,7 @@ def _build_rank(
         spec.flavors[cfg.model.flavor], vocab_size=VOCAB, max_seq_len=cfg.training.seq_len
     )
     with torch.device("meta"):
-        model = spec.model_cls(args)
+        model = spec.build(args)
     f8 = cfg.quantize.dense.float8
     if f8.enable:  # the trainer's converter step (emulated here: no float8 hardware)
         apply_float8(
@@ -144,8 +146,10 @@ def _build_rank(
         )
     plan = pipeline_plan(cfg)
     stage_ids = plan.stage_ids(dims.coordinates()["pp"]) if plan else []
-    parts = [split_model(model, plan.stage_units[s]) for s in stage_ids] if plan else [model]
-    parts = [spec.parallelize(p, dims, cfg, torch.bfloat16, torch.float32) for p in parts]
+    model_plan = spec.parallel_plan(args)
+    units = model_plan.pipeline_units
+    parts = [split_model(model, units, plan.stage_units[s]) for s in stage_ids] if plan else [model]
+    parts = [parallelize(p, model_plan, dims, cfg, torch.bfloat16, torch.float32) for p in parts]
     return dims, parts, stage_ids
 
 

@@ -12,7 +12,7 @@ import pytest
 from torchtitan.components import checkpoint_io as io
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.validate import validate_config
+from torchtitan.preflight.validate import validate_config
 
 
 @pytest.fixture

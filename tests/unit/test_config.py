@@ -10,14 +10,14 @@ import pytest
 
 from torchtitan.config import ConfigError, JobConfig, parse_args, to_toml
 from torchtitan.config.manager import iter_fields, load_toml
-from torchtitan.config.validate import validate_config
+from torchtitan.preflight.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
 
 
 def parse(*argv: str) -> JobConfig:
-    return parse_args(list(argv), validate=False)
+    return parse_args(list(argv))
 
 
 def test_defaults_and_toml_and_cli_precedence(tmp_path: Path) -> None:

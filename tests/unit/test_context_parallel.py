@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
@@ -12,13 +11,13 @@ import torch.nn.functional as F
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML
 from torchtitan.config import ConfigError, parse_args
-from torchtitan.config.validate import validate_config
 from torchtitan.distributed.context_parallel import (
     chunk_order,
     load_balanced_positions,
     shard_sequence,
     unshard_sequence,
 )
+from torchtitan.preflight.validate import validate_config
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
@@ -114,7 +113,7 @@ def test_all_gather_attention_equals_full_causal_attention(cp: int, n_rep: int) 
 
 
 def _cfg(*argv: str) -> Any:
-    return parse_args(["--job.config_file", DEBUG_TOML, *argv], validate=False)
+    return parse_args(["--job.config_file", DEBUG_TOML, *argv])
 
 
 def test_sequence_length_must_split_into_2cp_chunks() -> None:
@@ -161,15 +160,13 @@ def test_rotate_method_needs_ring_attention() -> None:
     assert e.value.field == "parallelism.context_parallel_rotate_method"
 
 
-def test_model_without_context_parallel_support_is_rejected(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from torchtitan import models
+def test_model_without_context_parallel_support_is_rejected() -> None:
+    import tests.toy_model  # noqa: F401  (registers "toy", whose plan has no CP)
 
-    spec = dataclasses.replace(models.MODELS["llama3"], supports_context_parallel=False)
-    monkeypatch.setitem(models.MODELS, "llama3", spec)
+    cfg = _cfg("--model.name", "toy", "--model.flavor", "tiny")
+    cfg.parallelism.context_parallel_degree = 2
     with pytest.raises(ConfigError, match="does not support context parallel"):
-        validate_config(_cfg("--parallelism.context_parallel_degree", "2"), world_size=2)
+        validate_config(cfg, world_size=2)
 
 
 def _ring_batch_rank() -> dict[str, Any]:
@@ -189,7 +186,8 @@ def _ring_batch_rank() -> dict[str, Any]:
     part.register_buffer("freqs_cis", table.clone())
     inputs, labels = torch.arange(32).view(2, 16), torch.arange(32).view(2, 16) + 100
     out: dict[str, Any] = {}
-    with ContextParallel(mesh, "ring", [part]).batch(inputs, labels) as (i, lab):
+    cp_ring = ContextParallel(mesh, "ring", [part], rope_buffer="freqs_cis")
+    with cp_ring.batch(inputs, labels) as (i, lab):
         out["inputs_ok"] = torch.equal(i, shard_sequence(torch.arange(32).view(2, 16), cp, rank))
         out["labels_ok"] = torch.equal(
             lab, shard_sequence(torch.arange(32).view(2, 16) + 100, cp, rank)

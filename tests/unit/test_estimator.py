@@ -18,6 +18,7 @@ from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import parse_args
+from torchtitan.distributed.pipeline_plan import plan_pipeline
 from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs
 from torchtitan.plan.estimator import (
     GIB,
@@ -26,6 +27,7 @@ from torchtitan.plan.estimator import (
     in_flight_microbatches,
 )
 from torchtitan.plan.tracker import LiveTensorTracker
+from torchtitan.preflight.validate import load_config
 
 TOLERANCE = 0.10
 # A CPU-sized flavor larger than the debug model, with grouped-query attention and an
@@ -60,7 +62,7 @@ BASE = [
 
 
 def _cfg(*overrides: str) -> JobConfig:
-    return parse_args([*BASE, *overrides], validate=False)
+    return parse_args([*BASE, *overrides])
 
 
 @pytest.fixture
@@ -132,11 +134,9 @@ def test_sharding_and_ac_shrink_the_estimate() -> None:
 
 
 def test_pipeline_in_flight_microbatches() -> None:
-    from torchtitan.distributed.pipeline_parallel import plan_pipeline
-
     def plan(schedule: str, pp: int, mb: int):  # type: ignore[no-untyped-def]
         return plan_pipeline(
-            n_layers=16,
+            units=["emb", *(f"layers.{i}" for i in range(16)), "head"],
             pp_degree=pp,
             schedule=schedule,
             split_points=[],
@@ -183,7 +183,7 @@ def _measure(argv: list[str], steps: int) -> int:
     """Peak live tensor memory of this rank over the steady-state steps (after the first)."""
     from torchtitan.trainer import Trainer
 
-    trainer = Trainer(parse_args(argv))
+    trainer = Trainer(load_config(argv))
     held = [p for part in trainer.model_parts for p in [*part.parameters(), *part.buffers()]]
     peaks = []
     with LiveTensorTracker() as tracker:
@@ -259,7 +259,7 @@ def test_estimate_within_10_percent_of_measured_peak(
     world_size, overrides = CASES[name]
     argv = [*BASE, "--job.dump_folder", str(tmp_path), *overrides]
     measured = run_ranks(_measure, world_size, argv, 2)
-    cfg = parse_args(argv, validate=False)
+    cfg = parse_args(argv)
     pp = cfg.parallelism.pipeline_parallel_degree
     per_pp = world_size // pp
     worst = 0.0

@@ -1,4 +1,4 @@
-"""Memory monitor (DESIGN 1.3): warm-up labelling, the leak detector, and the cross-rank packing.
+"""Memory monitor (docs/architecture.md, section 1, promise 4): warm-up labelling, the leak detector, and the cross-rank packing.
 
 Synthetic memory series stand in for a device: exact, fast and free of the noise of the machine
 running the tests. The end-to-end checks on the real trainer are in
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from torchtitan.tools.cross_rank import decode, encode
-from torchtitan.tools.memory import DeviceMemoryMonitor, MemoryStats
+from torchtitan.tools.device_memory import DeviceMemoryMonitor, MemoryStats
 from torchtitan.tools.memory_monitor import MemoryMonitor, detect_growth, theil_sen_slope
 
 MIB = 1 << 20

@@ -20,8 +20,12 @@ from torchtitan.components.metrics_writers import (
     build_writers,
 )
 from torchtitan.tools import peak_flops
+from torchtitan.tools.device_memory import (
+    DeviceMemoryMonitor,
+    MemoryStats,
+    device_memory_capacity_gib,
+)
 from torchtitan.tools.logging import init_logger, logger, warn_once
-from torchtitan.tools.memory import DeviceMemoryMonitor, MemoryStats, device_memory_capacity_gib
 from torchtitan.tools.peak_flops import datasheet_peak_flops, measure_matmul_peak_flops
 
 # ---------------------------------------------------------------- JSONL

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from torchtitan.config import ConfigError, JobConfig, parse_args
-from torchtitan.config.validate import validate_config
 from torchtitan.distributed.data_parallel import reshard_policy
 from torchtitan.distributed.parallel_dims import AXES, ParallelDims
+from torchtitan.preflight.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
@@ -87,7 +87,7 @@ def test_reshard_after_forward_policy(policy: str, pp: bool, expected: bool) -> 
 
 # ---------------------------------------------------------------- tier 1: TP config rules
 def cfg_for(*argv: str) -> JobConfig:
-    return parse_args(["--job.config_file", DEBUG_TOML, *argv], validate=False)
+    return parse_args(["--job.config_file", DEBUG_TOML, *argv])
 
 
 def test_tp_degrees_the_model_can_take() -> None:
@@ -255,15 +255,19 @@ def test_data_parallel_composes_with_tp_on_one_mesh(fake_world, dp_replicate, dp
     from torchtitan.distributed.tensor_parallel import apply_tp
     from torchtitan.models.llama3.args import LLAMA3_FLAVORS
     from torchtitan.models.llama3.model import Transformer
+    from torchtitan.models.llama3.parallel_plan import llama3_parallel_plan
 
     fake_world(5, 8)
     d = dims(8, dp_shard=dp_shard, dp_replicate=dp_replicate, tp=2)
     d.build_mesh("cpu")
     with torch.device("meta"):
-        model = Transformer(dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], max_seq_len=64))
-    apply_tp(model, d.get_mesh("tp"), loss_parallel=True)
+        args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], max_seq_len=64)
+        model = Transformer(args)
+    tp_plan = llama3_parallel_plan(args).tensor_parallel
+    apply_tp(model, model.layers, d.get_mesh("tp"), tp_plan, loss_parallel=True)
     if d.fsdp_enabled:
-        apply_fsdp(model, d.fsdp_mesh(), torch.float32, torch.float32, True)
+        units = list(model.layers.values())
+        apply_fsdp(model, units, d.fsdp_mesh(), torch.float32, torch.float32, True)
     else:
         apply_ddp(model, d.world_mesh["dp_replicate"], torch.float32, torch.float32)
     wq = model.layers["0"].attention.wq.weight  # colwise: Shard(0) on tp

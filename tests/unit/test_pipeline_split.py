@@ -9,18 +9,24 @@ import pytest
 import torch
 
 from torchtitan.config import ConfigError, JobConfig, parse_args
-from torchtitan.config.validate import pipeline_plan, validate_config
-from torchtitan.distributed.pipeline_parallel import (
+from torchtitan.distributed.pipeline_parallel import split_model
+from torchtitan.distributed.pipeline_plan import (
     SCHEDULES,
     PipelinePlan,
-    _main,
-    model_units,
     normalize_schedule_name,
     plan_pipeline,
-    resolve_log_ranks,
-    split_model,
 )
+from torchtitan.log_ranks import main as log_ranks_main
+from torchtitan.log_ranks import resolve_log_ranks
 from torchtitan.models.llama3 import LLAMA3_FLAVORS, Transformer
+from torchtitan.models.llama3.parallel_plan import pipeline_units
+from torchtitan.preflight.validate import pipeline_plan, validate_config
+
+
+def model_units(n_layers: int) -> list[str]:
+    args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], n_layers=n_layers)
+    return [u.name for u in pipeline_units(args)]
+
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
@@ -37,7 +43,7 @@ def plan(
     n_layers: int = 6,
 ) -> PipelinePlan:
     return plan_pipeline(
-        n_layers=n_layers,
+        units=model_units(n_layers),
         pp_degree=pp,
         schedule=schedule,
         split_points=list(split_points),
@@ -49,7 +55,7 @@ def plan(
 
 
 def config(*argv: str) -> JobConfig:
-    return parse_args(["--job.config_file", DEBUG_TOML, *argv], validate=False)
+    return parse_args(["--job.config_file", DEBUG_TOML, *argv])
 
 
 @pytest.mark.parametrize(
@@ -251,7 +257,8 @@ def test_split_model_keeps_full_model_names() -> None:
     with torch.device("meta"):
         model = Transformer(args)
     p = plan(pp=2, schedule="Interleaved1F1B", split_points=("layers.0", "layers.3", "norm"))
-    parts = [split_model(model, units) for units in p.stage_units]
+    units = pipeline_units(args)
+    parts = [split_model(model, units, keep) for keep in p.stage_units]
     names = [set(dict(part.named_parameters())) for part in parts]
     assert names[0] == {"tok_embeddings.weight"}
     assert names[3] == {"norm.weight", "output.weight"}
@@ -281,8 +288,13 @@ def test_log_rank_words() -> None:
 
 def test_log_rank_helper_reads_the_config(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--job.config_file", DEBUG_TOML, "--parallelism.pipeline_parallel_degree", "2"]
-    assert _main(["0,last", "4", *argv, "--parallelism.pipeline_parallel_schedule", "gpipe"]) == 0
+    assert (
+        log_ranks_main(["0,last", "4", *argv, "--parallelism.pipeline_parallel_schedule", "gpipe"])
+        == 0
+    )
     assert capsys.readouterr().out.strip() == "0,2,3"
-    assert _main(["last", "4", *argv, "--parallelism.pipeline_parallel_schedule", "zbv"]) == 0
+    assert (
+        log_ranks_main(["last", "4", *argv, "--parallelism.pipeline_parallel_schedule", "zbv"]) == 0
+    )
     assert capsys.readouterr().out.strip() == "0,1"
-    assert _main(["last,x", "4", *argv]) == 2
+    assert log_ranks_main(["last,x", "4", *argv]) == 2

@@ -14,17 +14,17 @@ import pytest
 import torch.distributed as dist
 
 from torchtitan.config.manager import parse_args
-from torchtitan.config.validate import validate_config
 from torchtitan.plan.__main__ import main as plan_main
 from torchtitan.plan.estimator import GIB, model_args_for
 from torchtitan.plan.planner import Hardware, PlanResult, plan
+from torchtitan.preflight.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 128256
 
 
 def _plan(name: str, world_size: int, memory_gib: float = 80) -> list[PlanResult]:
-    cfg = parse_args(["--job.config_file", str(ROOT / "train_configs" / name)], validate=False)
+    cfg = parse_args(["--job.config_file", str(ROOT / "train_configs" / name)])
     args = model_args_for(cfg, vocab_size=VOCAB)
     results, n_layouts, too_big = plan(cfg, args, world_size, Hardware(memory_gib=memory_gib))
     print(f"{name} on {world_size}: {n_layouts} layouts, {too_big} too big, {len(results)} fit")
@@ -41,7 +41,7 @@ def _check_override_line(name: str, r: PlanResult, world_size: int) -> None:
     argv = ["--job.config_file", str(ROOT / "train_configs" / name)]
     for item in r.layout.overrides():
         argv += item.split(" ")
-    cfg = parse_args(argv, validate=False)
+    cfg = parse_args(argv)
     validate_config(cfg, world_size=world_size)
     p = cfg.parallelism
     assert (p.data_parallel_shard_degree, p.tensor_parallel_degree) == (

@@ -11,7 +11,7 @@ import torch
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
-from torchtitan.config.validate import validate_config
+from torchtitan.preflight.validate import validate_config
 from torchtitan.tools.profiling import Profiling
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +134,7 @@ def test_cuda_memory_snapshots(tmp_path: Path) -> None:
     ],
 )
 def test_observability_config_errors(argv: list[str], field: str) -> None:
-    cfg = parse_args(["--job.config_file", DEBUG_TOML, *argv], validate=False)
+    cfg = parse_args(["--job.config_file", DEBUG_TOML, *argv])
     with pytest.raises(ConfigError) as e:
         validate_config(cfg, world_size=2)
     assert e.value.field == field, e.value
@@ -142,9 +142,7 @@ def test_observability_config_errors(argv: list[str], field: str) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only message")
 def test_memory_snapshot_needs_cuda() -> None:
-    cfg = parse_args(
-        ["--job.config_file", DEBUG_TOML, "--profiling.enable_memory_snapshot"], validate=False
-    )
+    cfg = parse_args(["--job.config_file", DEBUG_TOML, "--profiling.enable_memory_snapshot"])
     with pytest.raises(ConfigError) as e:
         validate_config(cfg, world_size=1)
     assert e.value.field == "profiling.enable_memory_snapshot"
@@ -165,6 +163,5 @@ def test_observability_options_validate() -> None:
             "--training.nonfinite_policy",
             "skip_step",
         ],
-        validate=False,
     )
     validate_config(cfg, world_size=2)

@@ -17,7 +17,7 @@ Writing and checking the folder is :mod:`torchtitan.components.checkpoint_io` (t
 manifest with sizes and SHA-256, one rename when all ranks are done). All coordination runs on
 a gloo group of its own; an asynchronous save gets a second one, used only by its thread,
 because collectives issued concurrently from two threads on one group can pair up in different
-orders on different ranks (DESIGN section 7: ``dcp.async_save`` corrupts a shared gloo group).
+orders on different ranks (docs/architecture.md, section 9).
 """
 
 from __future__ import annotations

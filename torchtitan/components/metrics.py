@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.components.metrics_writers import MetricWriter
 from torchtitan.distributed.utils import all_reduce_
 from torchtitan.tools.cross_rank import reduce_extremes
+from torchtitan.tools.device_memory import DeviceMemoryMonitor
 from torchtitan.tools.logging import logger
-from torchtitan.tools.memory import DeviceMemoryMonitor
 from torchtitan.tools.memory_monitor import MemoryMonitor
 
 
@@ -142,7 +142,7 @@ class MetricsProcessor:
         now = time.perf_counter()
         loss, loss_avg = self.loss.reduce_and_reset(self.loss_mesh)
         if self.pp_mesh is not None:
-            # DESIGN 1.1: take the last stage's reduced loss and its token count, so every
+            # docs/architecture.md, section 1 (promise 2): take the last stage's reduced loss and its token count, so every
             # pipeline rank logs and writes the real values (one small tensor, log steps only).
             loss, loss_avg, tokens = _from_pp_rank(
                 [loss, loss_avg, self.tokens_since_log], self.pp_mesh, self.pp_loss_rank

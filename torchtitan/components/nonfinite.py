@@ -1,4 +1,5 @@
-"""Non-finite loss / gradient-norm detection at the step it happens (DESIGN 9).
+"""Non-finite loss / gradient-norm detection at the step it happens
+(docs/architecture.md, section 9).
 
 After gradient clipping the trainer asks :meth:`NonFiniteGuard.check` whether the step may go to
 the optimizer. The test is one host read of two scalars (this rank's loss and the global gradient

@@ -1,4 +1,4 @@
-"""Job configuration: dataclasses, TOML + command-line loading, validation."""
+"""Job configuration: dataclasses, TOML + command-line parsing (validation: torchtitan.preflight)."""
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig

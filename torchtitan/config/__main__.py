@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.manager import help_text, parse_args, to_toml
-from torchtitan.config.validate import validate_config, world_size_from_env
+from torchtitan.config.manager import help_text, to_toml
+from torchtitan.plan.explain import explain
+from torchtitan.preflight.validate import load_config, world_size_from_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,15 +29,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         del argv[i : i + 2]
     try:
-        cfg = parse_args(argv, validate=False)
-        validate_config(cfg, world_size=world_size)
+        cfg = load_config(argv, world_size=world_size)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     print(to_toml(cfg))
     if cfg.job.explain:
-        from torchtitan.plan.explain import explain
-
         print(explain(cfg, world_size))
     return 0
 

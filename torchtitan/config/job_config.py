@@ -2,7 +2,7 @@
 
 The attribute docstrings are read by ``torchtitan.config.manager`` and become ``--help`` and
 ``docs/config.md``; keep each one a sentence or two that says what the field does and its units.
-Cross-field rules live in ``torchtitan.config.validate``.
+Cross-field rules live in ``torchtitan.preflight.validate``.
 """
 
 from __future__ import annotations

@@ -281,8 +281,9 @@ def _apply_cli(cfg: JobConfig, items: list[tuple[str, str | None, bool]]) -> Non
         setattr(owner, name, _convert(key, value, tp, from_cli=True))
 
 
-def parse_args(argv: list[str] | None = None, validate: bool = True) -> JobConfig:
-    """Build the JobConfig from ``argv`` (defaults < --job.config_file TOML < other overrides)."""
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build the JobConfig from ``argv`` (defaults < --job.config_file TOML < other overrides).
+    Only parses: ``torchtitan.preflight.validate.load_config`` parses and validates."""
     argv = list(sys.argv[1:] if argv is None else argv)
     items = _split_cli(argv)
     cfg = JobConfig()
@@ -290,10 +291,6 @@ def parse_args(argv: list[str] | None = None, validate: bool = True) -> JobConfi
     if config_file:
         _apply_mapping(cfg, load_toml(config_file), "")
     _apply_cli(cfg, items)
-    if validate:
-        from torchtitan.config.validate import validate_config
-
-        validate_config(cfg)
     return cfg
 
 

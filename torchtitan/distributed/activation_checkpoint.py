@@ -110,17 +110,15 @@ def _wrap_block(block: nn.Module, op_level: bool) -> CheckpointWrapper:
     return checkpoint_wrapper(block, **kwargs)  # type: ignore[return-value]
 
 
-def apply_ac(model: nn.Module, mode: str, selective_option: str = "op") -> list[str]:
-    """Wrap the blocks of ``model.layers`` (an ``nn.ModuleDict`` keyed by layer id) in place.
+def apply_ac(layers: nn.ModuleDict, mode: str, selective_option: str = "op") -> list[str]:
+    """Wrap the blocks in ``layers`` (the model's ``nn.ModuleDict`` of blocks, keyed by block
+    id) in place.
 
     ``mode``: ``none``, ``full`` or ``selective`` (then ``selective_option`` is ``op`` or an
     integer N as text). Returns the keys of the wrapped blocks.
     """
     if mode == "none":
         return []
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleDict):
-        raise TypeError("apply_ac expects the model's blocks in an nn.ModuleDict named 'layers'")
     if mode not in ("full", "selective"):
         raise ValueError(f"unknown activation checkpoint mode {mode!r}")
     option = parse_selective_option(selective_option) if mode == "selective" else None
@@ -128,7 +126,7 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str = "op") -> list[
     for key in list(layers.keys()):
         block = layers[key]
         if isinstance(block, CheckpointWrapper):
-            raise RuntimeError(f"layers.{key} is already activation-checkpointed")
+            raise RuntimeError(f"block {key} is already activation-checkpointed")
         if isinstance(option, int) and (int(key) + 1) % option != 0:
             continue
         layers[key] = _wrap_block(block, op_level=option == "op")

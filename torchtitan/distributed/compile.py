@@ -43,7 +43,6 @@ __all__ = [
     "apply_compile",
     "compile_loss",
     "set_compile_cache_dir",
-    "wait_for_embedding_output",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -102,38 +101,26 @@ def _wait_embedding_hook(module: nn.Module, args: Any, output: Any) -> Any:
     return output
 
 
-def wait_for_embedding_output(model: nn.Module) -> bool:
-    """Install ``_wait_embedding_hook`` on ``model.tok_embeddings`` (when the model has one)."""
-    emb = getattr(model, "tok_embeddings", None)
-    if emb is None:
-        return False
-    emb.register_forward_hook(_wait_embedding_hook)
-    return True
-
-
 def apply_compile(
-    model: nn.Module,
+    layers: nn.ModuleDict,
     *,
     backend: str = "inductor",
     fullgraph: bool = True,
-    tp_enabled: bool = False,
+    wait_on: nn.Module | None = None,
 ) -> int:
-    """Compile the forward of every block in ``model.layers`` in place; returns the count.
+    """Compile the forward of every block in ``layers`` in place; returns the count.
 
     Apply after activation checkpointing (the recompute is then compiled too) and before
-    FSDP/DDP (their hooks stay outside the compiled forward). ``tp_enabled`` installs the
-    embedding-output wait that tensor parallel needs with compiled blocks (see
+    FSDP/DDP (their hooks stay outside the compiled forward). ``wait_on``: the token embedding
+    under tensor parallel, whose async output must be waited on before a compiled block (see
     ``_wait_embedding_hook``).
     """
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleDict):
-        raise TypeError("apply_compile expects the model's blocks in an nn.ModuleDict 'layers'")
     for block in layers.values():
         # An instance attribute shadows the class's forward; nn.Module.__call__ runs the
         # module's hooks (FSDP's unshard/reshard) around it, outside the compiled region.
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)  # type: ignore[method-assign]
-    if tp_enabled:
-        wait_for_embedding_output(model)
+    if wait_on is not None:
+        wait_on.register_forward_hook(_wait_embedding_hook)
     logger.info(f"compiled {len(layers)} blocks (backend {backend}, fullgraph {fullgraph})")
     return len(layers)
 

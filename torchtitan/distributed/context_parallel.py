@@ -144,19 +144,29 @@ def _positions_hook(cp: int, rank: int):  # type: ignore[no-untyped-def]
     return hook
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, n_rep: int, method: str) -> None:
+def apply_cp(
+    model: nn.Module,
+    blocks: nn.ModuleDict,
+    cp_mesh: DeviceMesh,
+    attention_core: str,
+    n_rep: int,
+    method: str,
+) -> None:
     """Make ``model`` (a whole model or a pipeline stage of one) context parallel.
 
-    ``allgather``: every block's ``attention.core`` becomes an ``AllGatherKVAttention`` and the
-    model's forward receives this rank's global positions (a pre-hook), so RoPE rotates each
-    token by where it sits in the full sequence. ``ring``: nothing changes in the model; the
-    trainer runs forward and backward inside ``ContextParallel.batch``.
+    ``allgather``: in every block the module at ``attention_core`` becomes an
+    ``AllGatherKVAttention`` and the model's forward receives this rank's global positions (a
+    pre-hook), so RoPE rotates each token by where it sits in the full sequence. ``ring``:
+    nothing changes in the model; the trainer runs forward and backward inside
+    ``ContextParallel.batch``.
     """
     if method == "ring":
         return
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    for block in model.layers.values():  # type: ignore[union-attr,operator]
-        block.attention.core = AllGatherKVAttention(cp_mesh, n_rep)
+    parent_path, _, name = attention_core.rpartition(".")
+    for block in blocks.values():
+        parent = block.get_submodule(parent_path) if parent_path else block
+        setattr(parent, name, AllGatherKVAttention(cp_mesh, n_rep))
     model.register_forward_pre_hook(_positions_hook(cp, rank), with_kwargs=True)
 
 
@@ -170,11 +180,13 @@ class ContextParallel:
         method: str,
         model_parts: list[nn.Module],
         rotate_method: str = "allgather",
+        rope_buffer: str | None = None,
     ) -> None:
         self.mesh = cp_mesh
         self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
         self.method = method
         self.model_parts = model_parts
+        self.rope_buffer = rope_buffer
         if method == "ring":
             from torch.distributed.tensor.experimental._attention import set_rotate_method
 
@@ -196,7 +208,8 @@ class ContextParallel:
         tables = [
             t
             for p in self.model_parts
-            if isinstance(t := getattr(p, "freqs_cis", None), torch.Tensor)
+            if self.rope_buffer is not None
+            and isinstance(t := getattr(p, self.rope_buffer, None), torch.Tensor)
         ]
         with context_parallel(
             self.mesh,

@@ -26,24 +26,21 @@ def reshard_policy(policy: Literal["default", "always", "never"], pp_enabled: bo
 
 def apply_fsdp(
     model: nn.Module,
+    units: list[nn.Module],
     dp_mesh: DeviceMesh,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
 ) -> None:
-    """Shard ``model`` with FSDP2: one unit per transformer block, plus the root.
+    """Shard ``model`` with FSDP2: one unit per module of ``units`` (the blocks), plus the root.
 
     ``dp_mesh`` is 1-D (FSDP over dp_shard x cp) or 2-D (HSDP: replicate x shard). The root unit
-    holds the embedding, final norm and output; it is not resharded after forward because its
-    parameters are used again right at the start of backward.
+    holds what no unit took (embedding, final norm, output); it is not resharded after forward
+    because its parameters are used again right at the start of backward.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    layers = getattr(model, "layers", None)
-    if layers is not None:
-        for block in layers.values():
-            fully_shard(
-                block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward
-            )
+    for unit in units:
+        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
 
 

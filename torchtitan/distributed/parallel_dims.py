@@ -37,8 +37,27 @@ def _ranks(n: int) -> str:
     return f"{n} rank" if n == 1 else f"{n} ranks"
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending: the degrees an axis of ``n`` ranks allows."""
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Sequences per optimizer step and how they are made: ``global_batch_size =
+    local_batch_size x dp_degree x grad_accum_steps``. The trainer, validation, explain, the
+    estimator and the planner all take it from ``ParallelDims.batch_plan``."""
+
+    local_batch_size: int
+    dp_degree: int
+    global_batch_size: int
+    grad_accum_steps: int
+
+    def describe(self) -> str:
+        return (
+            f"global batch {self.global_batch_size} sequences = local {self.local_batch_size} x "
+            f"dp {self.dp_degree} x grad accum {self.grad_accum_steps}"
+        )
 
 
 @dataclass
@@ -93,14 +112,14 @@ class ParallelDims:
                 _FIELD[axis],
                 degrees[axis],
                 f"{_ranks(n)} cannot hold {self._product_text(given)}",
-                f"valid {axis} for {_ranks(n)}{beside}: {', '.join(map(str, _divisors(room)))}",
+                f"valid {axis} for {_ranks(n)}{beside}: {', '.join(map(str, divisors(room)))}",
             )
         rest_of_world = n // others
         if self.dp_shard == -1:
             self.dp_shard = rest_of_world
         elif self.dp_shard != rest_of_world:
             shown = {a: d for a, d in fixed.items() if d > 1}
-            options = _divisors(rest_of_world)
+            options = divisors(rest_of_world)
             smaller = options[-2] if len(options) > 1 else None
             example = (
                 f"; below {rest_of_world}, data_parallel_replicate_degree makes up the rest, e.g. "
@@ -166,6 +185,24 @@ class ParallelDims:
     @property
     def non_data_parallel_size(self) -> int:
         return self.cp * self.tp * self.pp
+
+    def batch_plan(self, local_batch_size: int, global_batch_size: int) -> BatchPlan:
+        """The batch plan of ``training.local_batch_size`` / ``global_batch_size`` (-1: no
+        accumulation) on these degrees; ConfigError when the global batch does not divide."""
+        per_step = local_batch_size * self.dp_degree
+        if global_batch_size == -1:
+            global_batch_size = per_step
+        if global_batch_size <= 0 or global_batch_size % per_step != 0:
+            raise ConfigError(
+                "training.global_batch_size",
+                global_batch_size,
+                f"must be -1 or a positive multiple of local_batch_size x dp degree = "
+                f"{local_batch_size} x {self.dp_degree} = {per_step}",
+                f"use {per_step} (no accumulation) or a multiple such as {2 * per_step}",
+            )
+        return BatchPlan(
+            local_batch_size, self.dp_degree, global_batch_size, global_batch_size // per_step
+        )
 
     # ------------------------------------------------------------------ meshes
     def build_mesh(self, device_type: str) -> DeviceMesh:

@@ -1,99 +1,73 @@
 """Tensor parallel (Megatron-style) with sequence parallel and loss parallel, via DTensor.
 
-Layout of one transformer block on the ``tp`` mesh (``S`` is the sequence dimension):
-
-* The residual stream between blocks is a DTensor sharded on the sequence, ``Shard(1)``:
-  each rank holds ``S / tp`` positions. Keeping it a DTensor (``use_local_output=False``)
-  keeps ``h.shape`` global, so the model's RoPE slice ``freqs_cis[:seqlen]`` stays right.
-* RMSNorms run on the sequence shard (``SequenceParallel``): no communication, and their
-  weights become replicated DTensors, so every parameter of the model is a DTensor
-  (torch 2.13's foreach/fused optimizers and norm kernels refuse a mix of Tensor and DTensor).
-* Attention and feed-forward all-gather the sequence on entry (``PrepareModuleInput``
-  Shard(1) -> Replicate), run column-sharded input projections (``wq wk wv w1 w3``: heads and
-  hidden units split over ranks, no communication) and a row-sharded output projection
-  (``wo w2``) whose partial sums are reduce-scattered back onto the sequence shard.
-* The embedding is row-sharded over the vocabulary (each rank looks up its vocabulary slice,
-  the partial results are reduce-scattered onto the sequence shard).
-* The output projection is column-sharded over the vocabulary. With loss parallel the logits
-  stay sharded ``Shard(-1)`` and cross-entropy runs on the shards inside
-  ``torch.distributed.tensor.parallel.loss_parallel()`` (the trainer's train context);
-  otherwise they are all-gathered to a plain tensor.
-
-Attention derives its number of local heads from tensor shapes, so ``n_heads`` and
-``n_kv_heads`` must be divisible by the TP degree (checked in config validation).
+The model's plan (``TensorParallelPlan``, from its family folder) says which module gets which
+``ParallelStyle``; this module applies it. The vocabulary projection named by
+``plan.output`` is column-sharded over the vocabulary: with loss parallel the logits stay
+sharded ``Shard(-1)`` and cross-entropy runs on the shards inside
+``torch.distributed.tensor.parallel.loss_parallel()`` (the trainer's train context);
+otherwise they are all-gathered to a plain tensor. The residual stream enters it sharded on
+the sequence (``Shard(1)``, sequence parallel).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
+from torchtitan.distributed.model_plan import TensorParallelPlan, submodule_or_none
 from torchtitan.tools.logging import logger
 
 
-def _block_plan() -> dict[str, object]:
-    return {
-        "attention_norm": SequenceParallel(),
-        # (x, freqs_cis): gather the sequence of x; freqs_cis is a plain tensor, left alone.
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None),
-            desired_input_layouts=(Replicate(), None),
-            use_local_output=True,
-        ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-            use_local_output=True,
-        ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-    }
+def tp_problem(divisible: Mapping[str, int], tp: int, seq_len: int | None = None) -> str | None:
+    """Why ``tp`` cannot split a model with these sizes (and this sequence length, when given)
+    over its ranks, or None if it can: every size in ``divisible`` and the sequence (sequence
+    parallel) must divide by it. Config validation and the planner both ask this."""
+    for name, size in divisible.items():
+        if size % tp != 0:
+            shown = ", ".join(f"{k}={v}" for k, v in divisible.items())
+            return (
+                f"{name}={size}, which tensor parallel cannot split over {tp} ranks ({shown} "
+                "must all be divisible by it)"
+            )
+    if seq_len is not None and seq_len % tp != 0:
+        return f"seq_len={seq_len}, which sequence parallel cannot split over {tp} ranks"
+    return None
+
+
+def _present(model: nn.Module, styles: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    return {k: v for k, v in styles.items() if submodule_or_none(model, k) is not None}
 
 
 def apply_tp(
     model: nn.Module,
+    blocks: nn.ModuleDict,
     tp_mesh: DeviceMesh,
+    plan: TensorParallelPlan,
     loss_parallel: bool,
     enable_async_tp: bool = False,
 ) -> None:
-    """Shard ``model`` (a Llama 3 ``Transformer``) over the 1-D ``tp_mesh`` in place.
+    """Shard ``model`` (a whole model or a pipeline stage of one) over the 1-D ``tp_mesh``.
 
+    ``blocks``: the model's blocks, each parallelized with ``plan.block``.
     ``loss_parallel``: keep the logits sharded over the vocabulary for a parallel cross-entropy
     (the caller must compute the loss inside ``loss_parallel()``); else gather them.
     ``enable_async_tp``: overlap the TP collectives with the matmuls (CUDA + torch.compile;
     see ``enable_async_tensor_parallel``).
     """
-    top: dict[str, object] = {}
-    if getattr(model, "tok_embeddings", None) is not None:
-        top["tok_embeddings"] = RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
-        )
-    if getattr(model, "norm", None) is not None:
-        top["norm"] = SequenceParallel()
-    if getattr(model, "output", None) is not None:
-        top["output"] = ColwiseParallel(
+    root = dict(plan.root)
+    if plan.output is not None:
+        root[plan.output] = ColwiseParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
-    parallelize_module(model, tp_mesh, top)  # type: ignore[arg-type]
-    layers = getattr(model, "layers", None)
-    for block in layers.values() if layers is not None else ():
-        parallelize_module(block, tp_mesh, _block_plan())  # type: ignore[arg-type]
+    parallelize_module(model, tp_mesh, _present(model, root))  # type: ignore[arg-type]
+    for block in blocks.values():
+        parallelize_module(block, tp_mesh, _present(block, plan.block))  # type: ignore[arg-type]
     if enable_async_tp:
         enable_async_tensor_parallel(tp_mesh)
     logger.info(

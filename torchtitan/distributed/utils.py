@@ -23,6 +23,18 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str, dev_type: str) -> torch.dtype:
+    """A ``training.mixed_precision_*`` name as a dtype. ``auto`` (param dtype) is bf16 on CUDA
+    (tensor cores) and fp32 elsewhere (bf16 matmuls are slow on CPUs). The trainer, the
+    estimator and explain all resolve it here."""
+    if name == "auto":
+        return torch.bfloat16 if dev_type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
 def backend_for(dev_type: str) -> str:
     # NCCL for GPU tensors; gloo for any CPU tensors (e.g. async-checkpoint staging).
     return "cuda:nccl,cpu:gloo" if dev_type == "cuda" else "gloo"

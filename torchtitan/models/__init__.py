@@ -1,8 +1,11 @@
-"""Model registry: family name -> ModelSpec, written out by hand."""
+"""Model registry: family name -> ModelSpec, written out by hand (one line per family; see
+docs/extending.md)."""
 
 from __future__ import annotations
 
 from torchtitan.models.llama3 import llama3_spec
-from torchtitan.models.spec import ModelSpec
+from torchtitan.models.spec import ModelSpec, runtime_args
 
 MODELS: dict[str, ModelSpec] = {"llama3": llama3_spec}
+
+__all__ = ["MODELS", "ModelSpec", "runtime_args"]

@@ -1,25 +1,98 @@
-"""What the trainer needs to know about a model family."""
+"""The contract between a model family and the rest of the library (docs/extending.md).
+
+The trainer, config validation, ``--job.explain``, the estimator and the planner reach a model
+only through ``MODELS[name]``, an object satisfying :class:`ModelSpec`. Everything
+model-specific (architecture, parallel plans, FLOPs, Hugging Face names) lives in the family's
+folder ``models/<name>/``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 
+from torchtitan.distributed.model_plan import ModelParallelPlan
 
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    flavors: dict[str, Any]
-    """flavor name -> model args dataclass."""
-    model_cls: Callable[[Any], nn.Module]
-    """Builds the model from its args (called under the meta device)."""
-    parallelize: Callable[..., nn.Module]
-    """The per-model plan: (model, parallel_dims, job_config, device) -> model with TP/CP/AC/compile/FSDP applied."""
-    state_dict_adapter: Callable[[Any], Any] | None = None
-    """Builds, from the model args, the converter between our state dict and Hugging Face's
-    (``to_hf``/``from_hf`` on full tensors); None when the family has no Hugging Face format."""
-    supports_context_parallel: bool = False
-    """The attention can run on a sequence sharded over cp (parallelize applies apply_cp)."""
+
+class ModelArgs(Protocol):
+    """What the generic layers read from a flavor's arguments (a dataclass: the trainer sets
+    ``vocab_size`` from the tokenizer and ``max_seq_len`` from ``training.seq_len``)."""
+
+    n_layers: int
+    vocab_size: int
+    max_seq_len: int
+
+
+class DecoderShape(ModelArgs, Protocol):
+    """The shape of a dense decoder-only transformer, as the memory estimator and the planner
+    model it (``plan/``)."""
+
+    dim: int
+    n_heads: int
+    tie_word_embeddings: bool
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    @property
+    def hidden_dim(self) -> int: ...
+
+
+class StateDictAdapter(Protocol):
+    """Converts full (unsharded) state dicts between our parameter names and Hugging Face's."""
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+class TrainableModel(Protocol):
+    """What the trainer calls on a built model beyond ``nn.Module``: ``init_weights`` after
+    ``to_empty`` (the same seed gives the same weights whatever the parallelism or split)."""
+
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None: ...
+
+
+class ModelSpec(Protocol):
+    """One model family: its flavors, how to build it and what its parallelisms need."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def flavors(self) -> Mapping[str, Any]:
+        """Flavor name -> the family's args dataclass (satisfying :class:`ModelArgs`)."""
+        ...
+
+    def build(self, args: Any) -> nn.Module:
+        """The model, called under ``torch.device("meta")``; the module satisfies
+        :class:`TrainableModel` and its forward takes token ids (or, on a pipeline stage
+        without the embedding, hidden states) and returns logits."""
+        ...
+
+    def parallel_plan(self, args: Any) -> ModelParallelPlan:
+        """TP styles, pipeline units, blocks, CP attention core: applied by ``distributed/``."""
+        ...
+
+    def num_params(self, args: Any) -> int: ...
+
+    def flops_per_token(self, args: Any, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token at ``seq_len``, for MFU."""
+        ...
+
+    def state_dict_adapter(self, args: Any) -> StateDictAdapter | None:
+        """The Hugging Face converter, or None when the family has no Hugging Face format."""
+        ...
+
+
+def runtime_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int) -> Any:
+    """The flavor's args with the tokenizer's vocabulary and the training sequence length:
+    what the trainer builds and what the estimator and planner model."""
+    return dataclasses.replace(spec.flavors[flavor], vocab_size=vocab_size, max_seq_len=seq_len)

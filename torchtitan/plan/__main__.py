@@ -20,11 +20,13 @@ Exit status: 0 with at least one fitting layout, 1 when none fits, 2 on a bad ar
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import replace
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
+from torchtitan.models import MODELS
 from torchtitan.plan.estimator import format_bytes, model_args_for
 from torchtitan.plan.planner import Hardware, plan
 from torchtitan.tools.peak_flops import DATASHEET_PEAK_TFLOPS
@@ -64,8 +66,6 @@ def _take_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
 
 def device_peak_tflops(name: str) -> float:
     """Dense bf16 datasheet peak of a device named like torch.cuda.get_device_name()."""
-    import re
-
     for pattern, peaks in DATASHEET_PEAK_TFLOPS:
         if re.search(pattern, name, flags=re.IGNORECASE) and "bf16" in peaks:
             return peaks["bf16"]
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("mfu", "intra_node_gbps", "inter_node_gbps"):
             if name in opts:
                 hw = replace(hw, **{name: float(opts[name])})  # type: ignore[arg-type]
-        cfg = parse_args(rest, validate=False)
+        cfg = parse_args(rest)
         vocab = opts.get("vocab_size")
         args = model_args_for(cfg, vocab_size=int(vocab) if vocab is not None else None)  # type: ignore[call-overload]
         results, n_layouts, too_big = plan(cfg, args, world_size, hw)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     top = int(opts.get("top", 5))  # type: ignore[call-overload]
     print(
-        f"{cfg.model.name} {cfg.model.flavor} ({args.num_params() / 1e9:.2f} B parameters, vocab "
+        f"{cfg.model.name} {cfg.model.flavor} ({MODELS[cfg.model.name].num_params(args) / 1e9:.2f} B parameters, vocab "
         f"{args.vocab_size}), seq_len {cfg.training.seq_len}, global batch "
         f"{results[0].layout.global_batch_size if results else '?'} sequences on {world_size} "
         f"devices ({nodes} node(s) x {hw.gpus_per_node}), {hw.memory_gib:g} GiB and "

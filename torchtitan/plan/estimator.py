@@ -37,20 +37,18 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import parse_selective_option
+from torchtitan.distributed.data_parallel import reshard_policy
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_parallel import (
-    EMBEDDING,
-    HEAD,
-    SCHEDULES,
-    PipelinePlan,
-    plan_from_config,
-)
-from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.distributed.pipeline_plan import SCHEDULES, PipelinePlan
+from torchtitan.distributed.utils import resolve_dtype
+from torchtitan.models import MODELS, runtime_args
+from torchtitan.models.spec import DecoderShape as ModelArgs
+from torchtitan.preflight.validate import pipeline_plan
 
 GIB = 1024**3
-_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass
@@ -147,6 +145,11 @@ def _shapes(a: ModelArgs, tp: int) -> _Shapes:
     )
 
 
+def block_params(a: ModelArgs) -> int:
+    """Parameters of one block (the planner weighs compute and pipeline stages with it)."""
+    return _full(_shapes(a, 1).block)
+
+
 def _shard_elems(shape: tuple[int, int], n: int) -> int:
     """FSDP2 shards dim 0 over ``n`` ranks, padding it to a multiple of ``n``."""
     return math.ceil(shape[0] / n) * shape[1]
@@ -195,8 +198,8 @@ def block_backward_bytes(a: ModelArgs, tokens: int, act_bytes: int, tp: int) -> 
     return int(tokens * (2 * a.dim + 2 * a.hidden_dim / tp) * act_bytes)
 
 
-def _layer_ids(units: tuple[str, ...]) -> list[int]:
-    return [int(u.split(".")[1]) for u in units if u.startswith("layers.")]
+def _block_ids(units: list[str], blocks: str) -> list[int]:
+    return [int(u.rpartition(".")[2]) for u in units if u.startswith(f"{blocks}.")]
 
 
 def _checkpointed(layer: int, mode: str, option: int | str) -> str:
@@ -236,19 +239,22 @@ def in_flight_microbatches(plan: PipelinePlan | None, pp_rank: int) -> int:
 def resolve_vocab_size(cfg: JobConfig, args: ModelArgs) -> int:
     """The tokenizer's vocabulary (what the trainer uses) if the tokenizer loads, else the flavor's."""
     try:
-        from torchtitan.components.tokenizer import build_tokenizer
-
         return int(build_tokenizer(cfg.model.tokenizer_path).vocab_size)
     except Exception:  # noqa: BLE001 - a missing tokenizer falls back to the flavor's size
         return args.vocab_size
 
 
 def model_args_for(cfg: JobConfig, vocab_size: int | None = None) -> ModelArgs:
-    from torchtitan.models import MODELS
-
-    args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
-    vocab = resolve_vocab_size(cfg, args) if vocab_size is None else vocab_size
-    return dataclasses.replace(args, vocab_size=vocab, max_seq_len=cfg.training.seq_len)
+    """The args the trainer would build (``runtime_args``), typed as the decoder shape this
+    estimator models."""
+    spec = MODELS[cfg.model.name]
+    vocab = (
+        resolve_vocab_size(cfg, spec.flavors[cfg.model.flavor])
+        if vocab_size is None
+        else vocab_size
+    )
+    args: ModelArgs = runtime_args(spec, cfg.model.flavor, vocab, cfg.training.seq_len)
+    return args
 
 
 def estimate_memory(
@@ -271,7 +277,7 @@ def estimate_memory(
     """
     a = model_args or model_args_for(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    plan = _pipeline_plan(cfg, a)
+    plan = pipeline_plan(cfg)
     estimates = [
         _estimate_rank(cfg, a, dims, plan, r, device_type, steady_state)
         for r in (range(dims.pp if plan else 1) if pp_rank is None else [pp_rank])
@@ -285,15 +291,8 @@ def estimate_memory(
     return best
 
 
-def _pipeline_plan(cfg: JobConfig, a: ModelArgs) -> PipelinePlan | None:
-    return plan_from_config(cfg.parallelism, a.n_layers, cfg.training.local_batch_size)
-
-
 def param_dtype_bytes(cfg: JobConfig, device_type: str) -> int:
-    name = cfg.training.mixed_precision_param
-    if name == "auto":
-        return 2 if device_type == "cuda" else 4
-    return _BYTES[name]
+    return resolve_dtype(cfg.training.mixed_precision_param, device_type).itemsize
 
 
 def _estimate_rank(
@@ -313,13 +312,13 @@ def _estimate_rank(
     notes: list[str] = []
 
     # What this rank holds: its stages' blocks, and the embedding / head if it has them.
+    model_plan = MODELS[cfg.model.name].parallel_plan(a)
+    every_unit = model_plan.unit_names
     units = (
-        [u for s in plan.stage_ids(pp_rank) for u in plan.stage_units[s]]
-        if plan
-        else [EMBEDDING, *(f"layers.{i}" for i in range(a.n_layers)), HEAD]
+        [u for s in plan.stage_ids(pp_rank) for u in plan.stage_units[s]] if plan else every_unit
     )
-    layers = _layer_ids(tuple(units))
-    has_embedding, has_head = EMBEDDING in units, HEAD in units
+    layers = _block_ids(units, model_plan.blocks)
+    has_embedding, has_head = every_unit[0] in units, every_unit[-1] in units
     tied = a.tie_word_embeddings
     root_shapes: list[tuple[int, int]] = []
     if has_embedding:
@@ -344,7 +343,7 @@ def _estimate_rank(
         unsharded_block = linear_full * 1 + (block_full - linear_full) * act
         notes.append("float8 all-gather: block linears gathered in float8 (1 byte)")
     unsharded_root = _full(tuple(root_shapes)) * act
-    reshard = _reshard_after_forward(p.fsdp_reshard_after_forward, dims.pp_enabled)
+    reshard = reshard_policy(p.fsdp_reshard_after_forward, dims.pp_enabled)
     needs_copy = fsdp or dims.ddp_enabled or act != 4
     if not needs_copy:
         unsharded_fwd = 0
@@ -392,13 +391,13 @@ def _estimate_rank(
         n_recv = (stages - (1 if first else 0)) + (stages - (1 if last else 0))
         pipeline_buffers = n_mb * residual * n_recv
 
-    accum = _grad_accum_steps(cfg, dims)
+    accum = dims.batch_plan(t.local_batch_size, t.global_batch_size).grad_accum_steps
     # Gradients of earlier microbatches stay through later ones: gradient accumulation, and the
     # pipeline's steady state (a backward, then more in-flight forwards). Under PP, torch's
     # stages run every backward without FSDP's gradient sync: the gradients accumulate
     # unsharded (in the reduce dtype) and the parameters stay gathered until the step's end.
     steady = plan is not None and n_mb * stages > in_flight
-    reduce_bytes = _BYTES[t.mixed_precision_reduce] if act != 4 else 4
+    reduce_bytes = resolve_dtype(t.mixed_precision_reduce, device_type).itemsize if act != 4 else 4
     pp_fsdp = plan is not None and fsdp
     unsharded_grads = (_full(tuple(root_shapes)) + len(layers) * block_full) * reduce_bytes
     carried_grads = grads_all if accum > 1 else 0
@@ -488,17 +487,3 @@ def _estimate_rank(
         per_microbatch_activations=per_mb,
         notes=notes,
     )
-
-
-def _reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
-    if policy == "always":
-        return True
-    if policy == "never":
-        return False
-    return not pp_enabled
-
-
-def _grad_accum_steps(cfg: JobConfig, dims: ParallelDims) -> int:
-    t = cfg.training
-    per_step = t.local_batch_size * dims.dp_degree
-    return t.global_batch_size // per_step if t.global_batch_size > 0 else 1

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.validate import pipeline_plan
 from torchtitan.distributed.parallel_dims import AXES, ParallelDims
+from torchtitan.distributed.utils import device_type as detect_device_type
+from torchtitan.models import MODELS
 from torchtitan.plan.estimator import (
     GIB,
     MemoryEstimate,
@@ -20,6 +23,7 @@ from torchtitan.plan.estimator import (
     in_flight_microbatches,
     model_args_for,
 )
+from torchtitan.preflight.validate import pipeline_plan
 
 _AXIS_TEXT = {
     "pp": "pipeline stages",
@@ -43,9 +47,7 @@ def explain(
 ) -> str:
     """The preflight report of a validated config on ``world_size`` ranks."""
     if device_type is None:
-        from torchtitan.distributed.utils import device_type as detect
-
-        device_type = detect()
+        device_type = detect_device_type()
     t, p = cfg.training, cfg.parallelism
     dims = ParallelDims.from_config(p, world_size)
     args = model_args_for(cfg)
@@ -56,7 +58,7 @@ def explain(
 
     add(
         f"== preflight: {cfg.job.description} ({cfg.model.name} {cfg.model.flavor}, "
-        f"{args.num_params() / 1e6:,.1f} M parameters, vocab {args.vocab_size})"
+        f"{MODELS[cfg.model.name].num_params(args) / 1e6:,.1f} M parameters, vocab {args.vocab_size})"
     )
     add(f"world size {world_size} on {device_type}; mesh (outermost to innermost):")
     stride = world_size
@@ -69,10 +71,8 @@ def explain(
         f"data loading over dp_replicate x dp_shard = {dims.dp_degree}"
     )
 
-    global_batch = (
-        t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * dims.dp_degree
-    )
-    accum = global_batch // (t.local_batch_size * dims.dp_degree)
+    batch = dims.batch_plan(t.local_batch_size, t.global_batch_size)
+    global_batch, accum = batch.global_batch_size, batch.grad_accum_steps
     seq_rank = t.seq_len // dims.cp
     add("batch:")
     add(
@@ -131,11 +131,8 @@ def _warnings(
     device_memory_bytes: int | None,
 ) -> list[str]:
     out: list[str] = []
-    if device_memory_bytes is None and device_type == "cuda":
-        import torch
-
-        if torch.cuda.is_available():
-            device_memory_bytes = torch.cuda.get_device_properties(0).total_memory
+    if device_memory_bytes is None and device_type == "cuda" and torch.cuda.is_available():
+        device_memory_bytes = torch.cuda.get_device_properties(0).total_memory
     if device_memory_bytes is not None and est.total > device_memory_bytes:
         out.append(
             f"the estimate ({est.total / GIB:.1f} GiB) exceeds the device memory "

@@ -31,15 +31,18 @@ from dataclasses import dataclass, field
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.distributed.parallel_dims import ParallelDims, divisors
+from torchtitan.distributed.tensor_parallel import tp_problem
+from torchtitan.models import MODELS
+from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.plan.estimator import (
     GIB,
     MemoryEstimate,
-    _pipeline_plan,
+    block_params,
     estimate_memory,
     param_dtype_bytes,
 )
+from torchtitan.preflight.validate import pipeline_plan
 
 CP_CHOICES = (1, 2, 4, 8, 16)
 """Context parallel degrees tried, and only while each rank keeps at least 8192 tokens of the
@@ -209,10 +212,10 @@ def step_time(
     act = param_dtype_bytes(cfg, "cuda")
     g = hw.gpus_per_node
     tokens_device = layout.global_batch_size * seq / world_size
-    block_params = a.n_layers * a._layer_params()
-    block_flops_fwd_token = 2 * block_params + 4 * a.n_layers * a.n_heads * a.head_dim * seq
+    all_blocks = a.n_layers * block_params(a)
+    block_flops_fwd_token = 2 * all_blocks + 4 * a.n_layers * a.n_heads * a.head_dim * seq
     peak = hw.peak_tflops * 1e12 * hw.mfu
-    compute = tokens_device * a.flops_per_token(seq) / peak
+    compute = tokens_device * MODELS[cfg.model.name].flops_per_token(a, seq) / peak
     recompute = (
         tokens_device
         * block_flops_fwd_token
@@ -250,7 +253,7 @@ def step_time(
         else 0.0
     )
     # FSDP / HSDP / DDP: this rank's parameters (after TP and PP).
-    params_rank = a.num_params() / layout.tp / layout.pp
+    params_rank = MODELS[cfg.model.name].num_params(a) / layout.tp / layout.pp
     n_shard = layout.dp_shard * layout.cp
     shard_spans = layout.tp * n_shard > g
     grad_bytes = 4 if cfg.training.mixed_precision_reduce == "float32" else 2
@@ -273,15 +276,17 @@ def step_time(
     pp_p2p = 0.0
     if layout.pp > 1:
         mb = layout.microbatches
-        plan = _pipeline_plan(layout.apply(cfg), a)
+        plan = pipeline_plan(layout.apply(cfg))
         assert plan is not None
         v = plan.stages_per_rank
         # The pipeline runs at the pace of its busiest rank; the head (output projection and
-        # loss) costs about vocab * dim / layer params blocks of work.
-        head = a.vocab_size * a.dim / a._layer_params()
+        # loss, the last unit) costs about vocab * dim / block params blocks of work.
+        head = a.vocab_size * a.dim / block_params(a)
+        model_plan = MODELS[cfg.model.name].parallel_plan(a)
+        head_unit = model_plan.unit_names[-1]
         load = [
             sum(
-                1.0 if u.startswith("layers.") else (head if u == "norm" else 0.0)
+                1.0 if u.startswith(f"{model_plan.blocks}.") else (head if u == head_unit else 0.0)
                 for sid in plan.stage_ids(r)
                 for u in plan.stage_units[sid]
             )
@@ -313,21 +318,16 @@ def step_time(
 
 
 # ---------------------------------------------------------------------- enumeration
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def global_batch_of(cfg: JobConfig, world_size: int) -> int:
     """Sequences per optimizer step the config asks for on ``world_size`` ranks."""
     t = cfg.training
-    if t.global_batch_size > 0:
-        return t.global_batch_size
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    return t.local_batch_size * dims.dp_degree
+    return dims.batch_plan(t.local_batch_size, t.global_batch_size).global_batch_size
 
 
-def _tp_ok(a: ModelArgs, tp: int, seq: int) -> bool:
-    return all(x % tp == 0 for x in (a.n_heads, a.kv_heads, a.hidden_dim, seq))
+def _tp_ok(cfg: JobConfig, a: ModelArgs, tp: int, seq: int) -> bool:
+    divisible = MODELS[cfg.model.name].parallel_plan(a).tensor_parallel.divisible
+    return tp_problem(divisible, tp, seq) is None
 
 
 def enumerate_layouts(cfg: JobConfig, a: ModelArgs, world_size: int, hw: Hardware) -> list[Layout]:
@@ -336,11 +336,11 @@ def enumerate_layouts(cfg: JobConfig, a: ModelArgs, world_size: int, hw: Hardwar
     gbs = global_batch_of(cfg, world_size)
     g = min(hw.gpus_per_node, world_size)
     out: list[Layout] = []
-    for tp in (d for d in _divisors(g) if _tp_ok(a, d, seq)):
+    for tp in (d for d in divisors(g) if _tp_ok(cfg, a, d, seq)):
         for cp in (c for c in CP_CHOICES if c == 1 or (seq % (2 * c) == 0 and seq // c >= 8192)):
             if (world_size // tp) % cp or world_size % (tp * cp):
                 continue
-            for pp in _divisors(world_size // (tp * cp)):
+            for pp in divisors(world_size // (tp * cp)):
                 if pp > 1 and (pp > a.n_layers // 2 or a.tie_word_embeddings):
                     continue
                 dp = world_size // (tp * cp * pp)
@@ -350,7 +350,7 @@ def enumerate_layouts(cfg: JobConfig, a: ModelArgs, world_size: int, hw: Hardwar
                 in_node = max(1, g // (tp * cp))
                 replicas = {1, dp} | ({dp // in_node} if dp % in_node == 0 else set())
                 for r in sorted(replicas):
-                    for accum in _divisors(per_dp):
+                    for accum in divisors(per_dp):
                         local = per_dp // accum
                         for mode, option in AC_CHOICES:
                             for schedule, mb in _pp_choices(cfg, a, pp, local):
@@ -390,7 +390,7 @@ def _pp_choices(cfg: JobConfig, a: ModelArgs, pp: int, local: int) -> list[tuple
         trial.parallelism.pipeline_parallel_layers_per_stage = -1
         trial.training.local_batch_size = local
         try:
-            _pipeline_plan(trial, a)
+            pipeline_plan(trial)
         except ConfigError:
             continue
         choices.append((schedule, mb))

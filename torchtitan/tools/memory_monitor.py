@@ -1,4 +1,5 @@
-"""Per-step memory with warm-up labelling and a leak detector (DESIGN 1.3).
+"""Per-step memory with warm-up labelling and a leak detector
+(docs/architecture.md, section 1, promise 4).
 
 Memory rises during the first steps of a run (the allocator warms up, the optimizer creates its
 state) and is flat afterwards. Looking at two log lines (say steps 1 and 10) that rise looks like
@@ -39,8 +40,8 @@ from typing import IO
 
 import numpy as np
 
+from torchtitan.tools.device_memory import DeviceMemoryMonitor, MemoryStats
 from torchtitan.tools.logging import logger
-from torchtitan.tools.memory import DeviceMemoryMonitor, MemoryStats
 
 __all__ = ["Growth", "LeakReport", "MemoryMonitor", "StepMemory", "detect_growth"]
 

@@ -1,6 +1,6 @@
-"""The Llama 3 parallelization plan, applied in a fixed order.
+"""Apply a model's parallel plan, in a fixed order, to a model (or one pipeline stage of it).
 
-Order and why:
+Order and why (docs/architecture.md, section 5):
 1. Tensor parallel (with sequence and loss parallel) first: it rewrites parameters into DTensors
    on the ``tp`` axis, which FSDP then shards further on the data axes (2-D).
 2. Context parallel: swaps the attention core for one that gathers K/V over ``cp``.
@@ -20,54 +20,60 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_policy
+from torchtitan.distributed.model_plan import ModelParallelPlan, submodule_or_none
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
-from torchtitan.models.llama3.args import ModelArgs
 
 
-def parallelize_llama(
+def parallelize(
     model: nn.Module,
+    plan: ModelParallelPlan,
     dims: ParallelDims,
     cfg: JobConfig,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
 ) -> nn.Module:
-    mesh = dims.world_mesh
-    # 1. Tensor parallel (with sequence and loss parallel).
+    """``model`` with the parallelisms of ``dims`` and the speed features of ``cfg`` applied."""
+    blocks = plan.blocks_of(model)
+    par = cfg.parallelism
     if dims.tp_enabled:
-        par = cfg.parallelism
         apply_tp(
             model,
+            blocks,
             dims.get_mesh("tp"),
+            plan.tensor_parallel,
             loss_parallel=not par.disable_loss_parallel,
             enable_async_tp=par.enable_async_tensor_parallel,
         )
-    # 2. Context parallel: K/V gathered over cp, RoPE by global positions.
     if dims.cp_enabled:
-        args: ModelArgs = model.args  # type: ignore[assignment]
+        cp = plan.context_parallel
+        assert cp is not None, "config validation refuses CP for models without a CP plan"
         apply_cp(
             model,
+            blocks,
             dims.get_mesh("cp"),
-            n_rep=args.n_heads // args.kv_heads,
-            method=cfg.parallelism.context_parallel_method,
+            cp.attention_core,
+            n_rep=cp.kv_repeat,
+            method=par.context_parallel_method,
         )
-    # 3. Activation checkpointing.
     ac = cfg.activation_checkpoint
-    apply_ac(model, ac.mode, ac.selective_ac_option)
-    # 4. Per-block compile.
+    apply_ac(blocks, ac.mode, ac.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
-        apply_compile(model, backend=cfg.compile.backend, tp_enabled=dims.tp_enabled)
-    # 5. Data parallel.
+        embedding = submodule_or_none(model, plan.embedding) if plan.embedding else None
+        apply_compile(
+            blocks,
+            backend=cfg.compile.backend,
+            wait_on=embedding if dims.tp_enabled else None,
+        )
     if dims.fsdp_enabled:
         apply_fsdp(
             model,
+            list(blocks.values()),
             dims.fsdp_mesh(),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard_policy(
-                cfg.parallelism.fsdp_reshard_after_forward, dims.pp_enabled
-            ),
+            reshard_after_forward=reshard_policy(par.fsdp_reshard_after_forward, dims.pp_enabled),
         )
     elif dims.ddp_enabled:
-        apply_ddp(model, mesh["dp_replicate"], param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        apply_ddp(model, dims.get_mesh("dp_replicate"), param_dtype, reduce_dtype)
     return model

@@ -8,12 +8,12 @@ import torch
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.tensor_parallel import tp_problem
+from torchtitan.models import MODELS
 
 
 def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
     """Head counts, sequence length and widths divisible by TP; async TP's requirements."""
-    from torchtitan.models import MODELS
-
     p = cfg.parallelism
     if p.enable_async_tensor_parallel:
         flag, fix = "parallelism.enable_async_tensor_parallel", "remove the flag"
@@ -37,26 +37,18 @@ def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
             )
     if tp < 2:
         return
-    args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
-    field = "parallelism.tensor_parallel_degree"
-    sizes = {
-        "n_heads": getattr(args, "n_heads", None),
-        "n_kv_heads": getattr(args, "kv_heads", None),
-        "hidden_dim": getattr(args, "hidden_dim", None),
-    }
-    shape = {k: v for k, v in sizes.items() if isinstance(v, int)}
-    valid = [d for d in range(1, 65) if all(v % d == 0 for v in shape.values())]
-    for name, size in shape.items():
-        if size % tp != 0:
-            shown = ", ".join(f"{k}={v}" for k, v in shape.items())
-            raise ConfigError(
-                field,
-                tp,
-                f"{cfg.model.name} {cfg.model.flavor} has {name}={size}, which tensor parallel "
-                f"cannot split over {tp} ranks ({shown} must all be divisible by it)",
-                f"use a tensor_parallel_degree among {', '.join(map(str, valid))}",
-            )
-    if cfg.training.seq_len % tp != 0:
+    spec = MODELS[cfg.model.name]
+    divisible = spec.parallel_plan(spec.flavors[cfg.model.flavor]).tensor_parallel.divisible
+    problem = tp_problem(divisible, tp)
+    if problem is not None:
+        valid = [d for d in range(1, 65) if tp_problem(divisible, d) is None]
+        raise ConfigError(
+            "parallelism.tensor_parallel_degree",
+            tp,
+            f"{cfg.model.name} {cfg.model.flavor} has {problem}",
+            f"use a tensor_parallel_degree among {', '.join(map(str, valid))}",
+        )
+    if tp_problem({}, tp, cfg.training.seq_len) is not None:
         raise ConfigError(
             "training.seq_len",
             cfg.training.seq_len,
@@ -69,8 +61,6 @@ def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
 def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
     """The model supports CP, the sequence splits into 2 x cp chunks (and each rank's share
     over TP for sequence parallel), ring attention only on CUDA."""
-    from torchtitan.models import MODELS
-
     p = cfg.parallelism
     if p.context_parallel_rotate_method != "allgather" and p.context_parallel_method != "ring":
         raise ConfigError(
@@ -83,7 +73,8 @@ def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
     if cp < 2:
         return
     field = "parallelism.context_parallel_degree"
-    if not MODELS[cfg.model.name].supports_context_parallel:
+    spec = MODELS[cfg.model.name]
+    if spec.parallel_plan(spec.flavors[cfg.model.flavor]).context_parallel is None:
         raise ConfigError(
             field,
             cp,

@@ -1,28 +1,37 @@
 """Cross-field checks, run before any process group or model exists.
 
-Each failure is a ConfigError naming the field, the value, the rule and a fix.
+Each failure is a ConfigError naming the field, the value, the rule and a fix. ``load_config``
+(parse, then validate) is what entry points call; ``torchtitan.config.parse_args`` only parses.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.validate_features import (
+from torchtitan.config.manager import parse_args
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_plan import (
+    SCHEDULES,
+    PipelinePlan,
+    normalize_schedule_name,
+    plan_from_config,
+)
+from torchtitan.models import MODELS
+from torchtitan.preflight.validate_features import (
     validate_checkpoint,
     validate_observability,
     validate_speed_features,
 )
-from torchtitan.config.validate_parallel import validate_context_parallel, validate_tensor_parallel
+from torchtitan.preflight.validate_parallel import (
+    validate_context_parallel,
+    validate_tensor_parallel,
+)
 from torchtitan.tools.logging import logger
-
-if TYPE_CHECKING:
-    from torchtitan.distributed.pipeline_parallel import PipelinePlan
 
 
 def world_size_from_env() -> int:
@@ -30,21 +39,23 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
-    """The stages and microbatches the config asks for (None without PP); ConfigError if invalid."""
-    from torchtitan.distributed.pipeline_parallel import (
-        SCHEDULES,
-        normalize_schedule_name,
-        plan_from_config,
-    )
-    from torchtitan.models import MODELS
+def load_config(argv: list[str] | None = None, world_size: int | None = None) -> JobConfig:
+    """Parse ``argv`` and validate the result for ``world_size`` ranks (default: $WORLD_SIZE)."""
+    cfg = parse_args(argv)
+    validate_config(cfg, world_size)
+    return cfg
 
+
+def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
+    """The stages and microbatches the config asks for (None without PP); ConfigError if invalid.
+    The trainer, explain, the estimator and the planner all take the plan from here."""
     p = cfg.parallelism
     normalize_schedule_name(p.pipeline_parallel_schedule)  # a typo fails even without PP
     if p.pipeline_parallel_degree <= 1:
         return None
-    args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
-    if getattr(args, "tie_word_embeddings", False):
+    spec = MODELS[cfg.model.name]
+    model_plan = spec.parallel_plan(spec.flavors[cfg.model.flavor])
+    if model_plan.tied_embeddings:
         raise ConfigError(
             "parallelism.pipeline_parallel_degree",
             p.pipeline_parallel_degree,
@@ -52,7 +63,7 @@ def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
             "puts on different stages",
             "use a flavor with untied embeddings, or pipeline_parallel_degree 1",
         )
-    plan = plan_from_config(p, args.n_layers, cfg.training.local_batch_size)
+    plan = plan_from_config(p, model_plan.unit_names, cfg.training.local_batch_size)
     assert plan is not None
     if cfg.compile.enable and SCHEDULES[plan.schedule].refuses_compile:
         raise ConfigError(
@@ -67,17 +78,28 @@ def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
 
 def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raise ConfigError on the first rule the config breaks."""
-    from torchtitan.distributed.parallel_dims import ParallelDims
-    from torchtitan.models import MODELS
-
     world_size = world_size_from_env() if world_size is None else world_size
-    t, p = cfg.training, cfg.parallelism
-
     validate_speed_features(cfg)
     validate_observability(cfg)
     validate_checkpoint(cfg, world_size)
+    _validate_model(cfg)
+    _validate_training(cfg)
 
-    # ---- model
+    p = cfg.parallelism
+    dims = ParallelDims.from_config(p, world_size)
+    pipeline_plan(cfg)  # split, schedule and microbatch checks (no-op without PP)
+    validate_tensor_parallel(cfg, dims.tp)
+    validate_context_parallel(cfg, dims.cp, dims.tp)
+    dims.batch_plan(cfg.training.local_batch_size, cfg.training.global_batch_size)
+
+    if cfg.training.mixed_precision_param == "bfloat16" and not torch.cuda.is_available():
+        logger.warning(
+            "training.mixed_precision_param = 'bfloat16' on a machine without CUDA: it works, "
+            "but bf16 matmuls are far slower than fp32 on most CPUs (use 'auto' or 'float32')"
+        )
+
+
+def _validate_model(cfg: JobConfig) -> None:
     if cfg.model.name not in MODELS:
         raise ConfigError(
             "model.name", cfg.model.name, f"must be one of {list(MODELS)}", "pick a known model"
@@ -99,7 +121,8 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
             "point it at tests/assets/tokenizer or build one with scripts/train_tokenizer.py",
         )
 
-    # ---- training
+
+def _validate_training(cfg: JobConfig) -> None:
     for f in (
         "training.steps",
         "training.seq_len",
@@ -109,50 +132,13 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
         require_int(cfg, f)
     require_int(cfg, "training.gc_freq", minimum=0)
     require_int(cfg, "lr_scheduler.warmup_steps", minimum=0)
-    if not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
-        raise ConfigError(
-            "lr_scheduler.decay_ratio",
-            cfg.lr_scheduler.decay_ratio,
-            "must be in [0, 1]",
-            "use 1.0 for decay over all post-warm-up steps",
-        )
-    if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
-        raise ConfigError(
-            "lr_scheduler.min_lr_factor",
-            cfg.lr_scheduler.min_lr_factor,
-            "must be in [0, 1]",
-            "use e.g. 0.1",
-        )
-    if not 0.0 <= cfg.lr_scheduler.warmup_start_factor <= 1.0:
-        raise ConfigError(
-            "lr_scheduler.warmup_start_factor",
-            cfg.lr_scheduler.warmup_start_factor,
-            "must be in [0, 1]",
-            "use 0.0",
-        )
+    s = cfg.lr_scheduler
+    for name, value, fix in (
+        ("decay_ratio", s.decay_ratio, "use 1.0 for decay over all post-warm-up steps"),
+        ("min_lr_factor", s.min_lr_factor, "use e.g. 0.1"),
+        ("warmup_start_factor", s.warmup_start_factor, "use 0.0"),
+    ):
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"lr_scheduler.{name}", value, "must be in [0, 1]", fix)
     if cfg.optimizer.lr <= 0:
         raise ConfigError("optimizer.lr", cfg.optimizer.lr, "must be > 0", "use e.g. 3e-4")
-
-    # ---- parallelism
-    dims = ParallelDims.from_config(p, world_size)
-    pipeline_plan(cfg)  # split, schedule and microbatch checks (no-op without PP)
-    validate_tensor_parallel(cfg, dims.tp)
-    validate_context_parallel(cfg, dims.cp, dims.tp)
-
-    per_step = t.local_batch_size * dims.dp_degree
-    if t.global_batch_size != -1 and (
-        t.global_batch_size <= 0 or t.global_batch_size % per_step != 0
-    ):
-        raise ConfigError(
-            "training.global_batch_size",
-            t.global_batch_size,
-            f"must be -1 or a positive multiple of local_batch_size x dp degree = {t.local_batch_size} x {dims.dp_degree} = {per_step}",
-            f"use {per_step} (no accumulation) or a multiple such as {2 * per_step}",
-        )
-
-    # ---- dtypes
-    if t.mixed_precision_param == "bfloat16" and not torch.cuda.is_available():
-        logger.warning(
-            "training.mixed_precision_param = 'bfloat16' on a machine without CUDA: it works, "
-            "but bf16 matmuls are far slower than fp32 on most CPUs (use 'auto' or 'float32')"
-        )

@@ -7,16 +7,21 @@ from pathlib import Path
 
 import torch
 
+from torchtitan.components.checkpoint import COMPONENTS
+from torchtitan.components.checkpoint_io import complete_steps
 from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import parse_selective_option
+from torchtitan.distributed.float8 import float8_unsupported_reason
+from torchtitan.distributed.pipeline_plan import SCHEDULES, normalize_schedule_name
+from torchtitan.distributed.utils import device_type
+from torchtitan.models import MODELS
 
 
 def validate_speed_features(cfg: JobConfig) -> None:
     """Activation checkpointing, compile and float8 options."""
     ac = cfg.activation_checkpoint
     if ac.mode == "selective":
-        from torchtitan.distributed.activation_checkpoint import parse_selective_option
-
         try:
             parse_selective_option(ac.selective_ac_option)
         except ValueError:
@@ -56,9 +61,6 @@ def validate_speed_features(cfg: JobConfig) -> None:
             "enable_fsdp_float8_all_gather",
             "add --quantize.dense.float8.enable_fsdp_float8_all_gather or remove the flag",
         )
-    from torchtitan.distributed.float8 import float8_unsupported_reason
-    from torchtitan.distributed.utils import device_type
-
     reason = float8_unsupported_reason(device_type(), emulate=f8.emulate)
     if reason is not None:
         raise ConfigError(
@@ -114,8 +116,6 @@ def validate_observability(cfg: JobConfig) -> None:
     if val.enable:
         require_int(cfg, "validation.freq")
         if cfg.parallelism.pipeline_parallel_degree > 1:
-            from torchtitan.distributed.pipeline_parallel import SCHEDULES, normalize_schedule_name
-
             name = normalize_schedule_name(cfg.parallelism.pipeline_parallel_schedule)
             if SCHEDULES[name].v_shaped:
                 # torch 2.13: schedule.eval() on a V-shaped schedule still runs the backward
@@ -167,8 +167,6 @@ def validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
             "must name a sub-folder of job.dump_folder (old checkpoints in it are deleted)",
             "use e.g. checkpoint",
         )
-    from torchtitan.components.checkpoint import COMPONENTS
-
     unknown = sorted(set(ck.exclude_from_loading) - COMPONENTS)
     if unknown:
         raise ConfigError(
@@ -192,10 +190,9 @@ def validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
                 "needs checkpoint.initial_load_path (the Hugging Face folder)",
                 "set --checkpoint.initial_load_path",
             )
-        from torchtitan.models import MODELS
-
         spec = MODELS.get(cfg.model.name)
-        if spec is not None and spec.state_dict_adapter is None:
+        flavor = spec.flavors.get(cfg.model.flavor) if spec is not None else None
+        if spec is not None and flavor is not None and spec.state_dict_adapter(flavor) is None:
             raise ConfigError(
                 "checkpoint.initial_load_in_hf",
                 True,
@@ -222,8 +219,6 @@ def validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
 def validate_seed_checkpoint(cfg: JobConfig, world_size: int) -> None:
     """A seed checkpoint is made by one process with every parallel degree 1, into an empty
     checkpoint folder (a newer checkpoint there would be resumed instead of the seed)."""
-    from torchtitan.components.checkpoint_io import complete_steps
-
     ck, p = cfg.checkpoint, cfg.parallelism
     if not ck.enable:
         raise ConfigError(

@@ -1,0 +1,209 @@
+"""The pieces the Trainer builds, one function each, in the order ``Trainer.__init__`` calls
+them (docs/architecture.md, section 3). Each takes the config and what was built before it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.dataloader import ParallelAwareDataloader, build_dataloader
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.metrics_writers import MetricWriter, build_writers
+from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.float8 import apply_float8
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.parallelize import parallelize
+from torchtitan.distributed.pipeline_parallel import split_model
+from torchtitan.distributed.pipeline_plan import PipelinePlan
+from torchtitan.models.spec import ModelSpec
+from torchtitan.tools.device_memory import DeviceMemoryMonitor
+from torchtitan.tools.logging import logger
+from torchtitan.tools.memory_monitor import MemoryMonitor
+from torchtitan.tools.peak_flops import datasheet_peak_flops, measure_matmul_peak_flops
+from torchtitan.tools.profiling import Profiling
+
+
+def build_rank_dataloader(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    tokenizer: Tokenizer,
+    dataset: str,
+    dataset_path: str | None,
+    split: str,
+    infinite: bool,
+) -> ParallelAwareDataloader:
+    """A loader sharded by this rank's data-parallel coordinate only (TP/CP/PP peers share)."""
+    t, dp_mesh = cfg.training, dims.get_mesh("dp")
+    return build_dataloader(
+        dataset=dataset,
+        dataset_path=dataset_path,
+        tokenizer=tokenizer,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        dp_rank=dp_mesh.get_local_rank(),
+        dp_world_size=dp_mesh.size(),
+        split=split,
+        infinite=infinite,
+        sharding=t.data_sharding,
+    )
+
+
+def build_meta_model(
+    cfg: JobConfig, spec: ModelSpec, args: Any, dims: ParallelDims, device: torch.device
+) -> nn.Module:
+    """The whole model on the meta device, with the converters (float8 linears) applied."""
+    with torch.device("meta"):
+        model = spec.build(args)
+    logger.info(f"model {cfg.model.name} {cfg.model.flavor}: {spec.num_params(args):,} parameters")
+    f8 = cfg.quantize.dense.float8
+    if f8.enable:
+        apply_float8(
+            model,
+            recipe_name=f8.recipe_name,
+            filter_fqns=f8.filter_fqns,
+            auto_filter_small_kn=f8.auto_filter_small_kn,
+            enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather and dims.fsdp_enabled,
+            emulate=f8.emulate,
+            device_type=device.type,
+        )
+    return model
+
+
+def build_model_parts(
+    cfg: JobConfig,
+    spec: ModelSpec,
+    args: Any,
+    model: nn.Module,
+    dims: ParallelDims,
+    pp_plan: PipelinePlan | None,
+    dtypes: tuple[torch.dtype, torch.dtype],
+    device: torch.device,
+) -> list[nn.Module]:
+    """The modules this rank trains, parallelized, materialized and initialized: the model, or
+    under PP one copy of the meta model per local stage with only what that stage owns."""
+    plan = spec.parallel_plan(args)
+    if pp_plan is None:
+        parts = [model]
+    else:
+        pp_rank = dims.coordinates()["pp"]
+        parts = [
+            split_model(model, plan.pipeline_units, pp_plan.stage_units[i])
+            for i in pp_plan.stage_ids(pp_rank)
+        ]
+    parts = [parallelize(part, plan, dims, cfg, *dtypes) for part in parts]
+    for part in parts:
+        part.to_empty(device=device)
+        part.init_weights(seed=cfg.debug.seed, buffer_device=device)  # type: ignore[operator]
+        part.train()
+    return parts
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The peak FLOP/s MFU is measured against: a known GPU's datasheet, else a matmul timed here."""
+    peak = datasheet_peak_flops(device, dtype)
+    if peak is not None:
+        return peak, "datasheet"
+    return measure_matmul_peak_flops(device, dtype), "measured matmul"
+
+
+def build_metrics(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    pp_plan: PipelinePlan | None,
+    device: torch.device,
+    rank: int,
+    flops_per_token: int,
+    peak: tuple[float, str],
+) -> tuple[MetricsProcessor, list[MetricWriter]]:
+    """The metrics processor (loss, throughput, MFU, memory) and the writers it feeds."""
+    m = cfg.metrics
+    writers = build_writers(
+        cfg.job.dump_folder,
+        enable_jsonl=m.enable_jsonl,
+        enable_tensorboard=m.enable_tensorboard,
+        enable_wandb=m.enable_wandb,
+        tb_folder=m.save_tb_folder,
+        rank=rank,
+        write_this_rank=m.save_for_all_ranks or rank == 0,
+        config_dict=dataclasses.asdict(cfg),
+        run_name=cfg.job.description,
+    )
+    memory = MemoryMonitor(
+        DeviceMemoryMonitor(device),
+        rank=rank,
+        warmup_steps=m.memory_warmup_steps,
+        leak_window=m.memory_leak_window,
+        leak_min_growth_mib=m.memory_leak_min_growth_mib,
+        trace_path=f"{cfg.job.dump_folder}/memory/rank_{rank}.jsonl"
+        if m.enable_memory_trace
+        else None,
+    )
+    processor = MetricsProcessor(
+        device=device,
+        log_freq=m.log_freq,
+        total_steps=cfg.training.steps,
+        loss_mesh=dims.get_mesh("dp_cp"),
+        flops_per_token=flops_per_token,
+        peak_flops=peak[0],
+        peak_flops_source=peak[1],
+        writers=writers,
+        pp_mesh=dims.get_mesh("pp") if pp_plan else None,
+        pp_loss_rank=pp_plan.last_stage_pp_rank if pp_plan else 0,
+        memory_monitor=memory,
+        cross_rank_view=m.enable_cross_rank_view,
+    )
+    return processor, writers
+
+
+def build_profiling(cfg: JobConfig, rank: int, device: torch.device) -> Profiling:
+    pr = cfg.profiling
+    return Profiling(
+        cfg.job.dump_folder,
+        enable_profiling=pr.enable_profiling,
+        traces_folder=pr.save_traces_folder,
+        profile_freq=pr.profile_freq,
+        warmup=pr.profiler_warmup,
+        active=pr.profiler_active,
+        enable_memory_snapshot=pr.enable_memory_snapshot,
+        snapshot_folder=pr.save_memory_snapshot_folder,
+        rank=rank,
+        device_type=device.type,
+    )
+
+
+def build_checkpointer(
+    cfg: JobConfig,
+    spec: ModelSpec,
+    args: Any,
+    model_parts: list[nn.Module],
+    optimizer: torch.optim.Optimizer,
+    lr_scheduler: Any,
+    dataloader: ParallelAwareDataloader,
+) -> CheckpointManager:
+    ck = cfg.checkpoint
+    return CheckpointManager(
+        root=Path(cfg.job.dump_folder) / ck.folder,
+        interval=ck.interval,
+        keep_latest_k=ck.keep_latest_k,
+        async_mode=ck.async_mode,
+        load_step=ck.load_step,
+        total_steps=cfg.training.steps,
+        model_parts=model_parts,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        dataloader=dataloader,
+        verify_checksums=ck.verify_checksums,
+        exclude_from_loading=tuple(ck.exclude_from_loading),
+        initial_load_path=ck.initial_load_path,
+        initial_load_model_only=ck.initial_load_model_only,
+        initial_load_in_hf=ck.initial_load_in_hf,
+        hf_adapter=spec.state_dict_adapter(args) if ck.initial_load_in_hf else None,
+        last_save_model_only=ck.last_save_model_only,
+        export_dtype=getattr(torch, ck.export_dtype),
+    )
