@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -122,7 +122,7 @@ class Trainer:
         self.pipeline = self._build_pipeline()
         self.cp = self._build_context_parallel()
 
-    def _build_loss_fn(self):  # type: ignore[no-untyped-def]
+    def _build_loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """Cross-entropy, compiled (lazily, at its first call) when compile lists the loss."""
         cfg = self.cfg
         if not cfg.compile.enable:

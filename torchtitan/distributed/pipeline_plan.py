@@ -232,8 +232,26 @@ def plan_pipeline(
 ) -> PipelinePlan:
     """Check a pipeline configuration and decide the stages and microbatches (no process group)."""
     name = normalize_schedule_name(schedule)
-    info = SCHEDULES[name]
     units = list(units)
+    starts = _stage_starts(units, pp_degree, name, split_points, layers_per_stage)
+    n_mb = _microbatches(
+        len(starts) + 1, pp_degree, name, microbatches, microbatch_size, local_batch_size
+    )
+    bounds = [0, *starts, len(units)]
+    stage_units = tuple(tuple(units[a:b]) for a, b in zip(bounds, bounds[1:]))
+    return PipelinePlan(name, pp_degree, stage_units, n_mb)
+
+
+def _stage_starts(
+    units: list[str],
+    pp_degree: int,
+    name: str,
+    split_points: Sequence[str],
+    layers_per_stage: int,
+) -> list[int]:
+    """Index in ``units`` where each stage after the first starts; ConfigError if the split
+    does not fit the schedule."""
+    info = SCHEDULES[name]
     n_units = len(units)
 
     if split_points and layers_per_stage > 0:
@@ -292,8 +310,19 @@ def plan_pipeline(
             f"gives {stage_text}: every rank must hold the same number of stages",
             f"make the number of stages a multiple of {pp_degree}",
         )
+    return starts
 
-    # ---- microbatches
+
+def _microbatches(
+    num_stages: int,
+    pp_degree: int,
+    name: str,
+    microbatches: int,
+    microbatch_size: int,
+    local_batch_size: int,
+) -> int:
+    """The number of microbatches per local batch; ConfigError if it cannot work."""
+    info = SCHEDULES[name]
     n_mb = microbatches
     if microbatch_size > 0:
         if local_batch_size % microbatch_size != 0:
@@ -342,7 +371,4 @@ def plan_pipeline(
             f"{name} needs a multiple of max(1, microbatches // pp degree) = {rounds}",
             f"use a multiple of {pp_degree} microbatches",
         )
-
-    bounds = [0, *starts, n_units]
-    stage_units = tuple(tuple(units[a:b]) for a, b in zip(bounds, bounds[1:]))
-    return PipelinePlan(name, pp_degree, stage_units, n_mb)
+    return n_mb
