@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import split_model
 from torchtitan.distributed.pipeline_plan import PipelinePlan
-from torchtitan.models.spec import ModelSpec
+from torchtitan.models.spec import ModelSpec, TrainableModel
 from torchtitan.tools.device_memory import DeviceMemoryMonitor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_monitor import MemoryMonitor
@@ -99,7 +99,7 @@ def build_model_parts(
     parts = [parallelize(part, plan, dims, cfg, *dtypes) for part in parts]
     for part in parts:
         part.to_empty(device=device)
-        part.init_weights(seed=cfg.debug.seed, buffer_device=device)  # type: ignore[operator]
+        cast(TrainableModel, part).init_weights(seed=cfg.debug.seed, buffer_device=device)
         part.train()
     return parts
 

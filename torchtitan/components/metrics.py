@@ -142,8 +142,9 @@ class MetricsProcessor:
         now = time.perf_counter()
         loss, loss_avg = self.loss.reduce_and_reset(self.loss_mesh)
         if self.pp_mesh is not None:
-            # docs/architecture.md, section 1 (promise 2): take the last stage's reduced loss and its token count, so every
-            # pipeline rank logs and writes the real values (one small tensor, log steps only).
+            # Take the last stage's reduced loss and its token count, so every pipeline rank
+            # logs and writes the real values (one small tensor, log steps only;
+            # docs/architecture.md, section 1, promise 2).
             loss, loss_avg, tokens = _from_pp_rank(
                 [loss, loss_avg, self.tokens_since_log], self.pp_mesh, self.pp_loss_rank
             )
