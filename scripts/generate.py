@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchtitan.components import checkpoint_io as io  # noqa: E402
 from torchtitan.components.tokenizer import build_tokenizer  # noqa: E402
+from torchtitan.distributed.utils import device_type  # noqa: E402
 from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
 from torchtitan.models.llama3.kv_cache import KVCache  # noqa: E402
 from torchtitan.models.llama3.model import Transformer  # noqa: E402
@@ -178,14 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop_at_eos", action="store_true", help="stop after the EOS token")
     p.add_argument("--no_kv_cache", action="store_true", help="recompute the prefix each step")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (under torchrun)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: detected"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
     p.add_argument("--json", action="store_true", help="print one JSON object (ids and text)")
     a = p.parse_args(argv)
     if a.max_new_tokens < 1 or a.top_k < 0 or a.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
 
-    dev_type = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dev_type = a.device if a.device != "auto" else device_type()  # TORCHTITAN_DEVICE overrides
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.tp != world:
         p.error(

@@ -9,8 +9,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.validate_features import (
@@ -19,6 +17,7 @@ from torchtitan.config.validate_features import (
     validate_speed_features,
 )
 from torchtitan.config.validate_parallel import validate_context_parallel, validate_tensor_parallel
+from torchtitan.distributed.utils import device_type
 from torchtitan.tools.logging import logger
 
 if TYPE_CHECKING:
@@ -151,7 +150,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
         )
 
     # ---- dtypes
-    if t.mixed_precision_param == "bfloat16" and not torch.cuda.is_available():
+    if t.mixed_precision_param == "bfloat16" and device_type() != "cuda":
         logger.warning(
             "training.mixed_precision_param = 'bfloat16' on a machine without CUDA: it works, "
             "but bf16 matmuls are far slower than fp32 on most CPUs (use 'auto' or 'float32')"

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.utils import device_type
 
 
 def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
@@ -17,7 +16,7 @@ def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
     p = cfg.parallelism
     if p.enable_async_tensor_parallel:
         flag, fix = "parallelism.enable_async_tensor_parallel", "remove the flag"
-        if not torch.cuda.is_available():
+        if device_type() != "cuda":
             raise ConfigError(
                 flag,
                 True,
@@ -102,7 +101,7 @@ def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
             f"sequence parallel splits each rank's share over tp), so it must be divisible by {why}",
             f"use a multiple of {step}, e.g. {max(step, seq // step * step)}",
         )
-    if p.context_parallel_method == "ring" and not torch.cuda.is_available():
+    if p.context_parallel_method == "ring" and device_type() != "cuda":
         raise ConfigError(
             "parallelism.context_parallel_method",
             "ring",

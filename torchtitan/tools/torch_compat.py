@@ -1,0 +1,75 @@
+"""Where torch's API differs inside the supported window (torch 2.11 to 2.15), the one choice.
+
+Every shim is picked once, at import, and says which torch versions take which path and why.
+This module is a leaf: it imports only torch and the standard library, never torchtitan.
+Features that need a newer torch than the installed one are refused by config validation with
+:func:`require` (which names the installed version), never silently degraded.
+
+How to add a shim: reproduce the difference in the oldest and the newest venv of the window
+(``./run_tests.sh --torch 2.11`` / ``--torch 2.15``), add it here with its comment, and use it
+from the call site instead of the torch name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+
+__all__ = [
+    "DEFAULT_STAGER_SINGLE_USE",
+    "MAX_TORCH",
+    "MIN_TORCH",
+    "TORCH_VERSION",
+    "all_gather_autograd",
+    "require",
+    "torch_version_tuple",
+]
+
+# The supported window, inclusive of every patch release of both ends (pyproject: >=2.11,<2.16).
+MIN_TORCH = (2, 11)
+MAX_TORCH = (2, 15)
+
+
+def torch_version_tuple(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``2.11.0+cu130`` or ``2.15.0.dev20260101``."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None:
+        raise ValueError(f"cannot read a torch version from {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+TORCH_VERSION = torch_version_tuple(torch.__version__)
+
+
+def require(feature: str, minimum: tuple[int, int]) -> str | None:
+    """Why ``feature`` cannot run on the installed torch (``None`` when it can): the reason a
+    config validation error gives, naming the installed version and the one needed."""
+    if minimum <= TORCH_VERSION:
+        return None
+    need = ".".join(map(str, minimum))
+    return f"{feature} needs torch >= {need}; this is torch {torch.__version__}"
+
+
+# ---- all-gather with autograd (context parallel's K/V gather; its backward reduce-scatters)
+# torch >= 2.12: ``all_gather_single`` (differentiable; ``all_gather_tensor_autograd`` is a
+# deprecated alias that warns). torch 2.11: only ``all_gather_tensor_autograd`` exists.
+all_gather_autograd: Callable[..., Any]
+if hasattr(funcol, "all_gather_single"):
+    all_gather_autograd = funcol.all_gather_single
+else:
+    all_gather_autograd = funcol.all_gather_tensor_autograd
+
+
+# ---- checkpoint staging (async saves through torch.distributed.checkpoint's DefaultStager)
+# torch 2.11: ``DefaultStager._stage`` closes its ``StateDictStager`` after every staging (to break
+# a reference cycle), which empties the copy dispatch table, so a second ``stage`` on the same
+# stager fails with ``KeyError: <class 'type'>``: one stager per save, and its host buffers
+# (pinned ones too) are freed after each save anyway. torch 2.13+: a stager is reusable until its
+# owner closes it, so its host buffers are allocated once. 2.12 was not checked: it takes the
+# single-use path, which is correct on every version (tests/unit/test_torch_compat.py checks the
+# flag against the installed torch's real behaviour).
+DEFAULT_STAGER_SINGLE_USE = TORCH_VERSION < (2, 13)
