@@ -42,7 +42,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return reference_metrics(tmp_path_factory, steps=STEPS)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.smoke) if c == "cp2" else c for c in CASES]
+)
 def test_cp_matches_single_process(reference: list[dict], tmp_path: Path, case: str) -> None:
     world, overrides = CASES[case]
     check_parity(reference, overrides, world, tmp_path, label=case)

@@ -74,7 +74,9 @@ def pp(degree: int, schedule: str, *extra: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize(
+    "schedule", [pytest.param(s, marks=pytest.mark.smoke) if s == "1F1B" else s for s in SCHEDULES]
+)
 def test_pp2_every_schedule(reference: list[dict], tmp_path: Path, schedule: str) -> None:
     run_and_compare(reference, pp(2, schedule), 2, tmp_path, f"PP 2 {schedule}")
 

@@ -73,4 +73,36 @@ def test_compat_module_is_a_leaf() -> None:
             names.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
-    assert names <= {"__future__", "re", "collections", "typing", "torch"}, names
+    assert names <= {"__future__", "importlib", "re", "collections", "typing", "torch"}, names
+
+
+@pytest.mark.smoke
+def test_installed_torchao_is_the_release_for_this_torch() -> None:
+    """Every venv of the window installs the torchao built for its torch (setup_env.sh)."""
+    assert torch_compat.torchao_unusable_reason() is None
+    assert set(torch_compat.TORCHAO_FOR_TORCH) == {
+        (2, m) for m in range(torch_compat.MIN_TORCH[1], torch_compat.MAX_TORCH[1] + 1)
+    }
+
+
+def test_float8_validation_names_the_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torchao for another torch is a config error naming both installed versions."""
+    import importlib.metadata
+
+    from torchtitan.config import ConfigError
+    from torchtitan.config.manager import parse_args
+    from torchtitan.config.validate import validate_config
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda p: "0.9.0" if p == "torchao" else real(p)
+    )
+    cfg = parse_args(
+        ["--job.config_file", str(ROOT / "train_configs/debug_model.toml")]
+        + ["--quantize.dense.float8.enable"],
+        validate=False,
+    )
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, world_size=1)
+    assert e.value.field == "quantize.dense.float8.enable"
+    assert "torchao 0.9.0 is installed" in str(e.value) and torch.__version__ in str(e.value)

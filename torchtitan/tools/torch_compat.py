@@ -12,6 +12,7 @@ from the call site instead of the torch name.
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from collections.abc import Callable
 from typing import Any
@@ -24,9 +25,11 @@ __all__ = [
     "MAX_TORCH",
     "MIN_TORCH",
     "TORCH_VERSION",
+    "TORCHAO_FOR_TORCH",
     "all_gather_autograd",
     "require",
     "torch_version_tuple",
+    "torchao_unusable_reason",
 ]
 
 # The supported window, inclusive of every patch release of both ends (pyproject: >=2.11,<2.16).
@@ -73,3 +76,31 @@ else:
 # single-use path, which is correct on every version (tests/unit/test_torch_compat.py checks the
 # flag against the installed torch's real behaviour).
 DEFAULT_STAGER_SINGLE_USE = TORCH_VERSION < (2, 13)
+
+
+# ---- torchao (float8 training): each torchao release is built against one torch minor release.
+# torch 2.11 (the GPU image) pairs with torchao 0.17; 2.13 to 2.15 with 0.18, the newest on PyPI
+# (2.15 checked by the smoke tier's float8 test). 2.12 follows 2.11's release train (0.17).
+TORCHAO_FOR_TORCH = {
+    (2, 11): "0.17",
+    (2, 12): "0.17",
+    (2, 13): "0.18",
+    (2, 14): "0.18",
+    (2, 15): "0.18",
+}
+
+
+def torchao_unusable_reason() -> str | None:
+    """Why the installed torchao is not the release for the installed torch (naming both), or
+    None. (Whether it imports is checked where it is used: this module imports only torch.)"""
+    want = TORCHAO_FOR_TORCH.get(TORCH_VERSION)
+    try:
+        have = importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return f"torchao is not installed (torch {torch.__version__} pairs with torchao {want})"
+    if want is not None and torch_version_tuple(have) != torch_version_tuple(want):
+        return (
+            f"torchao {have} is installed, but torch {torch.__version__} pairs with torchao "
+            f"{want} (pip install 'torchao=={want}.*')"
+        )
+    return None
