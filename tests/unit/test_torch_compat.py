@@ -73,7 +73,15 @@ def test_compat_module_is_a_leaf() -> None:
             names.update(a.name.split(".")[0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
-    assert names <= {"__future__", "importlib", "re", "collections", "typing", "torch"}, names
+    assert names <= {
+        "__future__",
+        "importlib",
+        "inspect",
+        "re",
+        "collections",
+        "typing",
+        "torch",
+    }, names
 
 
 @pytest.mark.smoke
@@ -106,3 +114,32 @@ def test_float8_validation_names_the_versions(monkeypatch: pytest.MonkeyPatch) -
         validate_config(cfg, world_size=1)
     assert e.value.field == "quantize.dense.float8.enable"
     assert "torchao 0.9.0 is installed" in str(e.value) and torch.__version__ in str(e.value)
+
+
+@pytest.mark.smoke
+def test_pipeline_stage_get_mesh_detection() -> None:
+    """torch 2.11's PipelineStage has no get_mesh (found by the 2.11 smoke tier); 2.13+ has it."""
+    if torch_compat.TORCH_VERSION >= (2, 13):
+        assert torch_compat.PIPELINE_STAGE_GET_MESH
+    if torch_compat.TORCH_VERSION == (2, 11):
+        assert not torch_compat.PIPELINE_STAGE_GET_MESH
+
+
+def test_pp_x_tp_refused_where_stages_cannot_send_dtensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtitan.config import ConfigError
+    from torchtitan.config.manager import parse_args
+    from torchtitan.config.validate import validate_config
+
+    monkeypatch.setattr(torch_compat, "PIPELINE_STAGE_GET_MESH", False)
+    argv = ["--job.config_file", str(ROOT / "train_configs/debug_model.toml")]
+    argv += ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.tensor_parallel_degree"]
+    cfg = parse_args([*argv, "2"], validate=False)
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg, world_size=4)
+    assert e.value.field == "parallelism.tensor_parallel_degree"
+    assert (
+        f"needs torch >= 2.13 (PipelineStage(get_mesh=...)); this is torch {torch.__version__}"
+        in str(e.value)
+    )
+    monkeypatch.setattr(torch_compat, "PIPELINE_STAGE_GET_MESH", True)
+    validate_config(cfg, world_size=4)

@@ -7,6 +7,7 @@ import math
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.utils import device_type
+from torchtitan.tools.torch_compat import pipeline_dtensor_unsupported_reason
 
 
 def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
@@ -38,6 +39,13 @@ def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
         return
     args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
     field = "parallelism.tensor_parallel_degree"
+    if cfg.parallelism.pipeline_parallel_degree > 1 and pipeline_dtensor_unsupported_reason():
+        raise ConfigError(
+            field,
+            tp,
+            str(pipeline_dtensor_unsupported_reason()),
+            "use tensor_parallel_degree 1 or pipeline_parallel_degree 1 with this torch",
+        )
     sizes = {
         "n_heads": getattr(args, "n_heads", None),
         "n_kv_heads": getattr(args, "kv_heads", None),

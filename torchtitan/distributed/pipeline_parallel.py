@@ -29,7 +29,7 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.tools.torch_compat import PIPELINE_STAGE_GET_MESH
 
 if TYPE_CHECKING:
     from torchtitan.config.job_config import Parallelism
@@ -416,6 +417,12 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).sum()
 
 
+def _stage_kwargs(get_mesh: Callable[[tuple[str, ...]], DeviceMesh] | None) -> dict[str, Any]:
+    if get_mesh is None or not PIPELINE_STAGE_GET_MESH:
+        return {}
+    return {"get_mesh": lambda names, _layout: get_mesh(names)}
+
+
 def build_pipeline(
     parts: Sequence[nn.Module],
     plan: PipelinePlan,
@@ -445,7 +452,8 @@ def build_pipeline(
             plan.num_stages,
             device,
             group=pp_group,
-            get_mesh=(lambda names, _layout: get_mesh(names)) if get_mesh else None,
+            # (torch 2.11 has no get_mesh: validation refuses PP x TP there, see torch_compat)
+            **_stage_kwargs(get_mesh),
         )
         for part, sid in zip(parts, stage_ids)
     ]

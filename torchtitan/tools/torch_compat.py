@@ -13,20 +13,24 @@ from the call site instead of the torch name.
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.pipelining import PipelineStage
 
 __all__ = [
     "DEFAULT_STAGER_SINGLE_USE",
     "MAX_TORCH",
     "MIN_TORCH",
     "TORCH_VERSION",
+    "PIPELINE_STAGE_GET_MESH",
     "TORCHAO_FOR_TORCH",
     "all_gather_autograd",
+    "pipeline_dtensor_unsupported_reason",
     "require",
     "torch_version_tuple",
     "torchao_unusable_reason",
@@ -76,6 +80,24 @@ else:
 # single-use path, which is correct on every version (tests/unit/test_torch_compat.py checks the
 # flag against the installed torch's real behaviour).
 DEFAULT_STAGER_SINGLE_USE = TORCH_VERSION < (2, 13)
+
+
+# ---- pipeline stages that exchange DTensor activations (pipeline parallel x tensor parallel)
+# torch 2.13+: ``PipelineStage(get_mesh=...)`` rebuilds the DTensor activations and gradients a
+# stage receives from its neighbour (TP keeps the residual stream a DTensor). torch 2.11: no
+# ``get_mesh`` (stages exchange plain tensors only), so PP x TP is refused by config validation
+# there; plain PP (and PP with FSDP or CP) works. Detected from the signature, not the version.
+PIPELINE_STAGE_GET_MESH = "get_mesh" in inspect.signature(PipelineStage.__init__).parameters
+
+
+def pipeline_dtensor_unsupported_reason() -> str | None:
+    """Why pipeline stages cannot exchange DTensors on the installed torch, or None."""
+    if PIPELINE_STAGE_GET_MESH:
+        return None
+    return (
+        "pipeline parallel with tensor parallel sends DTensor activations between stages, "
+        f"which needs torch >= 2.13 (PipelineStage(get_mesh=...)); this is torch {torch.__version__}"
+    )
 
 
 # ---- torchao (float8 training): each torchao release is built against one torch minor release.
