@@ -10,7 +10,8 @@
 #
 # Ends with one summary table (also in $OUT/summary.txt) and exits 1 if any step failed.
 # OUT (default outputs/gpu_check) holds each step's log; TORCHTITAN_PYTHON picks the python
-# (default python3, e.g. the GPU image's own torch); LADDER_STEPS sets the timed steps (10).
+# (default python3, e.g. the GPU image's own torch); LADDER_STEPS sets the timed steps (10);
+# STEP_TIMEOUT (2400 s) bounds each step, so a hang fails its row instead of the whole check.
 set -uo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,9 +50,9 @@ record() { # name status seconds detail
     [[ $2 == PASS ]] || failed=1
     printf '[gpu_check] %-28s %s (%s s) %s\n' "$1" "$2" "$3" "$4" >&2
 }
-timed() { # log_file command...: runs it, sets rc and secs
+timed() { # log_file command...: runs it (at most STEP_TIMEOUT seconds), sets rc and secs
     local t0=$SECONDS
-    "${@:2}" >"$1" 2>&1
+    timeout "${STEP_TIMEOUT:-2400}" "${@:2}" >"$1" 2>&1
     rc=$?
     secs=$((SECONDS - t0))
 }
