@@ -95,7 +95,7 @@ def _check_lifecycle_cuda(tmp_path: Path) -> None:
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "TORCHTITAN_DEVICE": "cuda"}
+    env = {**os.environ, "TORCHTITAN_DEVICE": "cuda", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     dumps = {"full": tmp_path / "full", "resumed": tmp_path / "resumed"}
     argv = [
         *_argv("async_with_pinned_mem"),

@@ -143,3 +143,25 @@ def test_pp_x_tp_refused_where_stages_cannot_send_dtensors(monkeypatch: pytest.M
     )
     monkeypatch.setattr(torch_compat, "PIPELINE_STAGE_GET_MESH", True)
     validate_config(cfg, world_size=4)
+
+
+def test_v_schedules_refused_below_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11 fails in the first step of ZBVZeroBubble/DualPipeV (a rank sends to itself):
+    config validation says so instead, naming the installed torch."""
+    from torchtitan.config import ConfigError
+    from torchtitan.config.manager import parse_args
+    from torchtitan.config.validate import validate_config
+
+    monkeypatch.setattr(torch_compat, "TORCH_VERSION", (2, 11))
+    argv = ["--job.config_file", str(ROOT / "train_configs/debug_model.toml")]
+    argv += ["--parallelism.pipeline_parallel_degree", "2"]
+    for schedule in ("ZBVZeroBubble", "DualPipeV"):
+        cfg = parse_args(
+            [*argv, "--parallelism.pipeline_parallel_schedule", schedule], validate=False
+        )
+        with pytest.raises(ConfigError) as e:
+            validate_config(cfg, world_size=2)
+        assert e.value.field == "parallelism.pipeline_parallel_schedule"
+        assert f"{schedule} needs torch >= 2.13; this is torch {torch.__version__}" in str(e.value)
+    cfg = parse_args([*argv, "--parallelism.pipeline_parallel_schedule", "1F1B"], validate=False)
+    validate_config(cfg, world_size=2)

@@ -44,7 +44,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.tools.torch_compat import PIPELINE_STAGE_GET_MESH
+from torchtitan.tools.torch_compat import PIPELINE_STAGE_GET_MESH, v_schedule_unsupported_reason
 
 if TYPE_CHECKING:
     from torchtitan.config.job_config import Parallelism
@@ -237,6 +237,9 @@ def plan_pipeline(
     """Check a pipeline configuration and decide the stages and microbatches (no process group)."""
     name = normalize_schedule_name(schedule)
     info = SCHEDULES[name]
+    reason = v_schedule_unsupported_reason(name) if info.v_shaped and pp_degree > 1 else None
+    if reason:
+        raise ConfigError(_F + "schedule", schedule, reason, "use 1F1B or Interleaved1F1B here")
     units = model_units(n_layers)
     n_units = len(units)
 

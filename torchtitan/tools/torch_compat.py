@@ -31,6 +31,7 @@ __all__ = [
     "TORCHAO_FOR_TORCH",
     "all_gather_autograd",
     "pipeline_dtensor_unsupported_reason",
+    "v_schedule_unsupported_reason",
     "require",
     "torch_version_tuple",
     "torchao_unusable_reason",
@@ -98,6 +99,19 @@ def pipeline_dtensor_unsupported_reason() -> str | None:
         "pipeline parallel with tensor parallel sends DTensor activations between stages, "
         f"which needs torch >= 2.13 (PipelineStage(get_mesh=...)); this is torch {torch.__version__}"
     )
+
+
+# ---- V-shaped pipeline schedules (ZBVZeroBubble, DualPipeV: stages r and 2*pp-1-r on rank r)
+# torch 2.11: the schedule's first step (shape inference in ``_initialize_stages``) sends the
+# activation between a rank's two middle stages to the rank itself over the process group, which
+# gloo refuses ("Pair is not connected"), at every pp degree. torch 2.13+: passed locally. 2.12
+# was not checked and is refused too (the error names the installed version).
+V_SCHEDULES_MIN_TORCH = (2, 13)
+
+
+def v_schedule_unsupported_reason(schedule: str) -> str | None:
+    """Why the V-shaped ``schedule`` cannot run on the installed torch, or None."""
+    return require(f"the V-shaped pipeline schedule {schedule}", V_SCHEDULES_MIN_TORCH)
 
 
 # ---- torchao (float8 training): each torchao release is built against one torch minor release.
