@@ -39,13 +39,10 @@ def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
         return
     args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
     field = "parallelism.tensor_parallel_degree"
-    if cfg.parallelism.pipeline_parallel_degree > 1 and pipeline_dtensor_unsupported_reason():
-        raise ConfigError(
-            field,
-            tp,
-            str(pipeline_dtensor_unsupported_reason()),
-            "use tensor_parallel_degree 1 or pipeline_parallel_degree 1 with this torch",
-        )
+    old_torch = p.pipeline_parallel_degree > 1 and pipeline_dtensor_unsupported_reason()
+    if old_torch:
+        fix = "use tensor_parallel_degree 1 or pipeline_parallel_degree 1 with this torch"
+        raise ConfigError(field, tp, old_torch, fix)
     sizes = {
         "n_heads": getattr(args, "n_heads", None),
         "n_kv_heads": getattr(args, "kv_heads", None),
