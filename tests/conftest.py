@@ -34,3 +34,13 @@ def _device_for_marker(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     """``gpu`` tests train on CUDA; every other test keeps the session's CPU setting."""
     if request.node.get_closest_marker("gpu") is not None:
         monkeypatch.setenv("TORCHTITAN_DEVICE", "cuda")
+
+
+@pytest.fixture
+def newest_torch_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning and validation rules as on torch >= 2.13, for tests of those rules that use PP x TP
+    or V-shaped schedules (refused on torch 2.11: tests/unit/test_torch_compat.py tests that)."""
+    from torchtitan.tools import torch_compat
+
+    monkeypatch.setattr(torch_compat, "V_SCHEDULES_MIN_TORCH", (0, 0))
+    monkeypatch.setattr(torch_compat, "PIPELINE_STAGE_GET_MESH", True)

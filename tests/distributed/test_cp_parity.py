@@ -16,6 +16,7 @@ import pytest
 
 from tests.distributed.parity_cases import check_parity, reference_metrics
 from tests.parity import assert_losses_match, train_metrics
+from tests.torch_window import needs_pp_dtensor
 
 STEPS = 10
 CP = "--parallelism.context_parallel_degree"
@@ -51,6 +52,7 @@ def test_cp_matches_single_process(reference: list[dict], tmp_path: Path, case: 
 
 
 @pytest.mark.slow
+@needs_pp_dtensor
 def test_4d_pp2_fsdp2_cp2_tp2(reference: list[dict], tmp_path: Path) -> None:
     """All four axes at once on 16 ranks (the tiny model keeps it to about a minute)."""
     overrides = [CP, "2", "--parallelism.tensor_parallel_degree", "2", *PP2]

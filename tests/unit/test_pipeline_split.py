@@ -22,6 +22,9 @@ from torchtitan.distributed.pipeline_parallel import (
 )
 from torchtitan.models.llama3 import LLAMA3_FLAVORS, Transformer
 
+# Planning rules as on torch >= 2.13 (V schedules and PP x TP are refused on 2.11).
+pytestmark = pytest.mark.usefixtures("newest_torch_rules")
+
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
 
