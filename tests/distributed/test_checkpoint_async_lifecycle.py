@@ -30,12 +30,12 @@ def _train_counting_stagers(argv: list[str], dump: str) -> dict[str, Any]:
     from torchtitan.components.checkpoint import _StagerLifecycle
     from torchtitan.train import main
 
-    seen: list[int] = []
+    seen: list[Any] = []  # the stagers themselves: kept alive, their ids cannot be reused
     for_save = _StagerLifecycle.for_save
 
     def counting(self: _StagerLifecycle) -> Any:
         stager = for_save(self)
-        seen.append(id(stager))
+        seen.append(stager)
         return stager
 
     _StagerLifecycle.for_save = counting  # type: ignore[method-assign]
@@ -43,7 +43,7 @@ def _train_counting_stagers(argv: list[str], dump: str) -> dict[str, Any]:
     assert rc == 0, f"train exited {rc}"
     path = Path(dump) / "metrics" / f"rank_{os.environ['RANK']}.jsonl"
     metrics = read_jsonl(path) if path.exists() else None  # only logging ranks write metrics
-    return {"metrics": metrics, "saves": len(seen), "stagers": len(set(seen))}
+    return {"metrics": metrics, "saves": len(seen), "stagers": len({id(s) for s in seen})}
 
 
 def _argv(mode: str) -> list[str]:
