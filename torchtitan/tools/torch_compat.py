@@ -116,7 +116,8 @@ def v_schedule_unsupported_reason(schedule: str) -> str | None:
 
 # ---- torchao (float8 training): each torchao release is built against one torch minor release.
 # torch 2.11 (the GPU image) pairs with torchao 0.17; 2.13 to 2.15 with 0.18, the newest on PyPI
-# (2.15 checked by the smoke tier's float8 test). 2.12 follows 2.11's release train (0.17).
+# (float8 training checked on 2.11 and 2.13; on 2.15 torchao 0.18 imports, float8 was not run).
+# 2.12 follows 2.11's release train (0.17).
 TORCHAO_FOR_TORCH = {
     (2, 11): "0.17",
     (2, 12): "0.17",
