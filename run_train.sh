@@ -3,7 +3,8 @@
 #
 #   NGPU=4 LOG_RANK=0,3 CONFIG_FILE=train_configs/debug_model.toml ./run_train.sh --training.steps 50
 #
-# NGPU         ranks on this machine (default: the number of GPUs, or 2 without a GPU)
+# NGPU         ranks on this machine (default: the number of GPUs, or 2 without a GPU or with
+#              TORCHTITAN_DEVICE=cpu, which runs CPU ranks with gloo even where CUDA is visible)
 # LOG_RANK     ranks whose output is shown (default 0): a comma list (0,3), and/or the words
 #              `last` (the ranks holding the last pipeline stage) and `all`; e.g. LOG_RANK=0,last
 # CONFIG_FILE  TOML config (default train_configs/debug_model.toml)
@@ -36,7 +37,7 @@ cd "$root"
 python="${TORCHTITAN_PYTHON:-$("$root/scripts/setup_env.sh")}"
 
 if [[ -z "${NGPU:-}" ]]; then
-    if command -v nvidia-smi >/dev/null 2>&1 && n="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" && [[ "$n" -gt 0 ]]; then
+    if [[ "${TORCHTITAN_DEVICE:-}" != cpu ]] && command -v nvidia-smi >/dev/null 2>&1 && n="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" && [[ "$n" -gt 0 ]]; then
         NGPU="$n"
     else
         NGPU=2
@@ -49,8 +50,9 @@ if [[ "$LOG_RANK" == *last* || "$LOG_RANK" == *all* ]]; then
         --job.config_file "$config" "$@")"
 fi
 
-# Without GPUs the ranks share the CPU cores: give each its share of threads.
-if [[ -z "${OMP_NUM_THREADS:-}" ]] && ! "$python" -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+# Without GPUs (or with TORCHTITAN_DEVICE=cpu) the ranks share the CPU cores: give each its share.
+if [[ -z "${OMP_NUM_THREADS:-}" ]] && { [[ "${TORCHTITAN_DEVICE:-}" == cpu ]] ||
+    ! "$python" -c 'import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }; then
     cores="$(nproc)"
     export OMP_NUM_THREADS=$(( cores / NGPU > 0 ? cores / NGPU : 1 ))
 fi

@@ -33,6 +33,7 @@ from torch import nn
 
 from torchtitan.components import checkpoint_io as io
 from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.distributed.utils import device_type
 from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs
 from torchtitan.models.llama3.kv_cache import KVCache
 from torchtitan.models.llama3.model import Transformer
@@ -178,14 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop_at_eos", action="store_true", help="stop after the EOS token")
     p.add_argument("--no_kv_cache", action="store_true", help="recompute the prefix each step")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel degree (under torchrun)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: detected"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", *_DTYPES])
     p.add_argument("--json", action="store_true", help="print one JSON object (ids and text)")
     a = p.parse_args(argv)
     if a.max_new_tokens < 1 or a.top_k < 0 or a.temperature < 0:
         p.error("--max_new_tokens must be >= 1, --top_k >= 0 and --temperature >= 0")
 
-    dev_type = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dev_type = a.device if a.device != "auto" else device_type()  # TORCHTITAN_DEVICE overrides
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.tp != world:
         p.error(

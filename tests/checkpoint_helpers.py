@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -13,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tests.launcher import _worker, free_port
+from tests.launcher import _worker, free_port, mp_context
 from tests.parity import DEBUG_TOML, TINY, read_jsonl
 
 STEPS = 6
@@ -78,7 +77,7 @@ def train_with_faults(
 def run_until_rank_killed(world_size: int, *args: Any, timeout: float = 300.0) -> None:
     """Fork ``world_size`` ranks running ``train_with_faults(*args)``; once a rank dies of
     SIGKILL, SIGKILL the others too (what torchrun does when a worker dies)."""
-    ctx = mp.get_context("fork")
+    ctx = mp_context()
     queue = ctx.Queue()
     port = free_port()
     procs = [

@@ -2,7 +2,12 @@
 
 Workers are forked from the (already imported) pytest process, so start-up costs ~0.1 s instead
 of a fresh interpreter per rank. Each worker gets torchrun's environment variables on a free
-port, one intra-op thread, and returns a picklable result (or the formatted traceback).
+port, ``TORCHTITAN_DEVICE=cpu`` (CPU and gloo even where CUDA is visible), one intra-op thread,
+and returns a picklable result (or the formatted traceback).
+
+CUDA cannot be used in a child forked after the parent initialised it, so once CUDA is
+initialised in this process (a ``gpu`` test ran) the ranks are spawned instead: slower, and
+``fn`` and its arguments must then be picklable (module-level functions are).
 """
 
 from __future__ import annotations
@@ -22,10 +27,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def mp_context() -> Any:
+    """fork while CUDA is untouched in this process (fast), spawn once it is initialised."""
+    import torch
+
+    return mp.get_context("spawn" if torch.cuda.is_initialized() else "fork")
+
+
 def _worker(
     fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue: Any
 ) -> None:
     os.environ.update(
+        TORCHTITAN_DEVICE="cpu",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
@@ -52,8 +65,8 @@ def _worker(
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` forked ranks; returns results ordered by rank."""
-    ctx = mp.get_context("fork")
+    """Run ``fn(*args)`` on ``world_size`` CPU ranks; returns results ordered by rank."""
+    ctx = mp_context()
     queue = ctx.Queue()
     port = free_port()
     procs = [

@@ -16,6 +16,7 @@ import pytest
 
 from tests.distributed.parity_cases import check_parity, reference_metrics
 from tests.parity import assert_losses_match, train_metrics
+from tests.torch_window import needs_pp_dtensor
 
 STEPS = 10
 CP = "--parallelism.context_parallel_degree"
@@ -42,13 +43,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return reference_metrics(tmp_path_factory, steps=STEPS)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.smoke) if c == "cp2" else c for c in CASES]
+)
 def test_cp_matches_single_process(reference: list[dict], tmp_path: Path, case: str) -> None:
     world, overrides = CASES[case]
     check_parity(reference, overrides, world, tmp_path, label=case)
 
 
 @pytest.mark.slow
+@needs_pp_dtensor
 def test_4d_pp2_fsdp2_cp2_tp2(reference: list[dict], tmp_path: Path) -> None:
     """All four axes at once on 16 ranks (the tiny model keeps it to about a minute)."""
     overrides = [CP, "2", "--parallelism.tensor_parallel_degree", "2", *PP2]

@@ -17,7 +17,7 @@ import pytest
 
 import torchtitan.train  # noqa: F401  (imported before the ranks fork, so they start fast)
 from tests.parity import assert_losses_match, losses, read_jsonl, train_metrics
-from torchtitan.distributed.pipeline_plan import SCHEDULES
+from tests.torch_window import needs_pp_dtensor, needs_v_schedules, schedule_params
 
 STEPS = 10
 
@@ -74,12 +74,12 @@ def pp(degree: int, schedule: str, *extra: str) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", schedule_params(smoke="1F1B"))
 def test_pp2_every_schedule(reference: list[dict], tmp_path: Path, schedule: str) -> None:
     run_and_compare(reference, pp(2, schedule), 2, tmp_path, f"PP 2 {schedule}")
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", schedule_params())
 def test_pp4_every_schedule(reference: list[dict], tmp_path: Path, schedule: str) -> None:
     # Multi-stage schedules run 8 stages of one unit each: the embedding alone, one block per
     # stage, the head alone. Rank 0 is not the last stage except for V-shaped schedules.
@@ -112,12 +112,15 @@ def test_pp2_fsdp2(reference: list[dict], tmp_path: Path) -> None:
     assert_every_rank_logged_the_loss(tmp_path, 4, got)
 
 
+@needs_pp_dtensor
+@needs_v_schedules
 def test_pp2_tp2(reference: list[dict], tmp_path: Path) -> None:
     overrides = pp(2, "ZBVZeroBubble", "--parallelism.tensor_parallel_degree", "2")
     run_and_compare(reference, overrides, 4, tmp_path, "PP 2 x TP 2 (ZBV)")
 
 
 @pytest.mark.slow
+@needs_pp_dtensor
 def test_pp2_fsdp2_tp2_seed_3d(reference: list[dict], tmp_path: Path) -> None:
     # The seed's 3D command line scaled to 8 CPU ranks.
     overrides = [

@@ -81,7 +81,9 @@ def _check_throughput(row: dict, label: str, steps: int) -> None:
     mfu = row["mfu_measured_pct"]
     assert 0 < mfu <= 100, mfu
     expect = 100 * row["flops_per_token"] * tps / (row["peak_tflops_measured"] * 1e12)
-    assert math.isclose(mfu, expect, rel_tol=0.01), (mfu, expect)
+    # mfu_measured_pct is rounded to 2 decimals (up to 0.005 off: 2% of an MFU of 0.21%), the
+    # peak to 4 decimals of a TFLOP/s and tokens/s to 0.1: 1% relative plus the rounding step.
+    assert math.isclose(mfu, expect, rel_tol=0.01, abs_tol=0.0051), (mfu, expect)
     # The CPU-time view: same tokens per step, its own peak, also a utilization in (0, 100].
     assert row["cpu_time_step_s"] > 0 and 0 < row["mfu_cpu_time_pct"] <= 100
     assert math.isclose(row["tokens_per_cpu_s"] * row["cpu_time_step_s"], SEQ * BATCH, rel_tol=0.01)

@@ -246,6 +246,7 @@ def test_llama3_70b_fsdp32_tp8(fake_rank: None) -> None:
     assert _expected_local((8192, 8192), 0, 8, 32, 25) == (32, 8192)
 
 
+@pytest.mark.usefixtures("newest_torch_rules")  # PP x TP: validated as on torch >= 2.13
 @pytest.mark.parametrize("rank", [0, 511])
 def test_llama3_405b_3d(fake_rank: None, rank: int) -> None:
     cfg = _load("llama3_405b.toml", 512)

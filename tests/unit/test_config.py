@@ -20,6 +20,7 @@ def parse(*argv: str) -> JobConfig:
     return parse_args(list(argv))
 
 
+@pytest.mark.smoke
 def test_defaults_and_toml_and_cli_precedence(tmp_path: Path) -> None:
     assert parse().training.steps == JobConfig().training.steps
     toml = tmp_path / "c.toml"
@@ -150,12 +151,14 @@ def test_validation_errors(argv: list[str], world: int, field: str) -> None:
     assert e.value.field == field
 
 
+@pytest.mark.smoke
 def test_debug_config_validates_for_1_2_4_ranks() -> None:
     cfg = parse("--job.config_file", DEBUG_TOML)
     for world in (1, 2, 4):
         validate_config(cfg, world_size=world)
 
 
+@pytest.mark.smoke
 def test_shipped_configs_load() -> None:
     for toml in sorted((ROOT / "train_configs").glob("*.toml")):
         assert load_toml(toml)
@@ -168,6 +171,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.smoke
 def test_config_cli_prints_toml_or_error() -> None:
     ok = _cli("--job.config_file", DEBUG_TOML, "--training.steps", "5")
     assert ok.returncode == 0, ok.stderr

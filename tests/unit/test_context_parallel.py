@@ -62,6 +62,8 @@ def _attention_rank(n_rep: int) -> dict[str, Any]:
     from torchtitan.distributed.context_parallel import AllGatherKVAttention
 
     cp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    # gloo explicitly: left to itself, torch would add NCCL where CUDA is visible.
+    torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     q, k, v, grad_out = _inputs(n_rep)
     local = [shard_sequence(t, cp, rank, dim=2).detach().requires_grad_() for t in (q, k, v)]
@@ -82,6 +84,7 @@ def _inputs(n_rep: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, torch.randn(b, h_kv * n_rep, s, d, generator=g)
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("cp, n_rep", [(2, 1), (3, 2)])
 def test_all_gather_attention_equals_full_causal_attention(cp: int, n_rep: int) -> None:
     """Outputs and the gradients of q, k, v (k/v through the gather's reduce-scatter) equal the
@@ -180,6 +183,8 @@ def _ring_batch_rank() -> dict[str, Any]:
     from torchtitan.distributed.context_parallel import ContextParallel
 
     cp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    # gloo explicitly: left to itself, torch would add NCCL where CUDA is visible.
+    torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
     part = nn.Module()
     table = torch.arange(16 * 3, dtype=torch.float32).view(16, 3)

@@ -231,6 +231,7 @@ def test_describe_rank_names_the_last_stage(fake_world) -> None:
 def test_async_tp_needs_tp_and_compile_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     """The rules after the CUDA check, with a GPU pretended (nothing is run on it)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TORCHTITAN_DEVICE", "cuda")  # the suite pins CPU (tests/conftest.py)
     flag = "--parallelism.enable_async_tensor_parallel"
     with pytest.raises(ConfigError, match="needs tensor_parallel_degree >= 2"):
         validate_config(cfg_for(flag, "--compile.enable"), world_size=2)

@@ -28,6 +28,9 @@ def model_units(n_layers: int) -> list[str]:
     return [u.name for u in pipeline_units(args)]
 
 
+# Planning rules as on torch >= 2.13 (V schedules and PP x TP are refused on 2.11).
+pytestmark = pytest.mark.usefixtures("newest_torch_rules")
+
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
 

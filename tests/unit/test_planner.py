@@ -19,6 +19,9 @@ from torchtitan.plan.estimator import GIB, model_args_for
 from torchtitan.plan.planner import Hardware, PlanResult, plan
 from torchtitan.preflight.validate import validate_config
 
+# Planning rules as on torch >= 2.13 (V schedules and PP x TP are refused on 2.11).
+pytestmark = pytest.mark.usefixtures("newest_torch_rules")
+
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 128256
 

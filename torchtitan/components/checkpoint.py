@@ -46,7 +46,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from torchtitan.components import checkpoint_io as io
+from torchtitan.distributed.utils import device_type
 from torchtitan.tools.logging import logger
+from torchtitan.tools.torch_compat import DEFAULT_STAGER_SINGLE_USE
 
 AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -115,13 +117,38 @@ def _bytes_tensor(b: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(b), dtype=torch.uint8)
 
 
+class _StagerLifecycle:
+    """The ``DefaultStager`` background saves go through: reused from save to save where torch
+    allows it (its host copies are then allocated once), a fresh one per save where a stager
+    empties its own copy tables after one staging (``torch_compat.DEFAULT_STAGER_SINGLE_USE``:
+    reusing one there fails at the second save with ``KeyError: <class 'type'>``)."""
+
+    def __init__(self, pinned: bool) -> None:
+        # (use_pinned_memory, use_shared_memory, use_async_staging, use_non_blocking_copy)
+        self.options = StagingOptions(pinned, False, False, pinned)
+        self._stager: DefaultStager | None = None
+        self.created = 0
+
+    def for_save(self) -> DefaultStager:
+        if self._stager is None or DEFAULT_STAGER_SINGLE_USE:
+            self.close()
+            self._stager = DefaultStager(self.options)
+            self.created += 1
+        return self._stager
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()  # idempotent: torch may have closed it already
+            self._stager = None
+
+
 def rng_state() -> bytes:
     """This rank's RNG states: torch CPU (and CUDA) generators and Python's ``random``."""
     state: dict[str, Any] = {
         "torch": _tensor_bytes(torch.get_rng_state()),
         "python": random.getstate(),
     }
-    if torch.cuda.is_available():
+    if device_type() == "cuda":
         state["cuda"] = [_tensor_bytes(t) for t in torch.cuda.get_rng_state_all()]
     return pickle.dumps(state)
 
@@ -130,7 +157,7 @@ def set_rng_state(blob: bytes) -> None:
     state = pickle.loads(blob)
     torch.set_rng_state(_bytes_tensor(state["torch"]))
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and device_type() == "cuda":
         torch.cuda.set_rng_state_all([_bytes_tensor(b) for b in state["cuda"]])
 
 
@@ -190,10 +217,11 @@ class CheckpointManager:
             if async_mode != "disabled"
             else None
         )
-        # Pinned host buffers, allocated at the first save and reused (CUDA only; validated).
+        # Background saves stage through one stager (host buffers allocated at the first save
+        # and reused; pinned with async_with_pinned_mem, CUDA only, validated).
         self._stager = (
-            DefaultStager(StagingOptions(True, False, False, True))
-            if async_mode == "async_with_pinned_mem"
+            _StagerLifecycle(pinned=async_mode == "async_with_pinned_mem")
+            if async_mode != "disabled"
             else None
         )
         self._signal: int | None = None
@@ -383,8 +411,12 @@ class CheckpointManager:
             }[kind]
             logger.info(f"checkpoint: saved step {step}{what} in {self.last_save_blocking_s:.2f} s")
             return
+        assert self._stager is not None
         result = dcp.async_save(
-            sd, checkpoint_id=str(tmp), process_group=self.async_pg, async_stager=self._stager
+            sd,
+            checkpoint_id=str(tmp),
+            process_group=self.async_pg,
+            async_stager=self._stager.for_save(),
         )
         future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
         assert self._digester is not None

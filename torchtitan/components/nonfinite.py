@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed.utils import device_type
 from torchtitan.tools.logging import logger
 
 __all__ = ["NonFiniteError", "NonFiniteGuard", "first_nonfinite_grad"]
@@ -131,7 +132,7 @@ class NonFiniteGuard:
             key = (((stage_of[part] << 20) | idx) << _RANK_BITS) | self.rank
         # CPU tensors unless the only backend is NCCL ("cuda:nccl,cpu:gloo" takes CPU ones).
         backend = str(dist.get_backend())
-        device = "cpu" if "gloo" in backend or not torch.cuda.is_available() else "cuda"
+        device = "cpu" if "gloo" in backend or device_type() != "cuda" else "cuda"
         t = torch.tensor([key, mine[3] if mine else 0], dtype=torch.int64, device=device)
         best = t[:1].clone()
         dist.all_reduce(best, op=dist.ReduceOp.MIN)

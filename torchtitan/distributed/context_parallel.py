@@ -30,9 +30,10 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_single
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
+
+from torchtitan.tools.torch_compat import all_gather_autograd
 
 __all__ = [
     "AllGatherKVAttention",
@@ -98,7 +99,7 @@ class AllGatherKVAttention(nn.Module):
         c = k.shape[2] // 2  # this rank holds two chunks of c tokens
         # One collective for K and V, sequence first: [L, 2, B, Hkv, Dh] -> [cp * L, ...].
         kv = torch.stack((k[:, ::n_rep], v[:, ::n_rep])).movedim(3, 0).contiguous()
-        gathered = all_gather_single(kv, 0, self.cp_mesh)
+        gathered = all_gather_autograd(kv, 0, self.cp_mesh)
         # Rank order [r0 head, r0 tail, r1 head, ...] -> global chunk order 0..2cp-1.
         chunks = gathered.view(2 * cp, c, *kv.shape[1:])
         # (views and one cat: no index tensor to copy to the device in every layer)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from torchtitan.tools.logging import logger
+from torchtitan.tools.torch_compat import torchao_unusable_reason
 
 __all__ = [
     "apply_float8",
@@ -55,6 +56,13 @@ def float8_unsupported_reason(device_type: str, emulate: bool = False) -> str | 
     """None when float8 training can run on ``device_type``; else the reason, in words."""
     if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
         return f"torch {torch.__version__} has no float8 dtypes / torch._scaled_mm"
+    reason = torchao_unusable_reason()
+    if reason is not None:
+        return reason
+    try:
+        import torchao.float8  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - reported as the reason, never hidden
+        return f"torchao does not import with torch {torch.__version__}: {type(e).__name__}: {e}"
     if emulate or device_type == "cpu":  # CPU: always emulated (module docstring)
         return None
     if device_type == "cuda":

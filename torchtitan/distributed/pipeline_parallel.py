@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from torchtitan.distributed.pipeline_plan import SCHEDULES, PipelinePlan, PipelineUnit
+from torchtitan.tools.torch_compat import PIPELINE_STAGE_GET_MESH
 
 
 def split_model(model: nn.Module, units: Sequence[PipelineUnit], keep: Sequence[str]) -> nn.Module:
@@ -93,6 +95,12 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).sum()
 
 
+def _stage_kwargs(get_mesh: Callable[[tuple[str, ...]], DeviceMesh] | None) -> dict[str, Any]:
+    if get_mesh is None or not PIPELINE_STAGE_GET_MESH:
+        return {}
+    return {"get_mesh": lambda names, _layout: get_mesh(names)}
+
+
 def build_pipeline(
     parts: Sequence[nn.Module],
     plan: PipelinePlan,
@@ -122,7 +130,8 @@ def build_pipeline(
             plan.num_stages,
             device,
             group=pp_group,
-            get_mesh=(lambda names, _layout: get_mesh(names)) if get_mesh else None,
+            # (torch 2.11 has no get_mesh: validation refuses PP x TP there, see torch_compat)
+            **_stage_kwargs(get_mesh),
         )
         for part, sid in zip(parts, stage_ids)
     ]

@@ -25,6 +25,7 @@ from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import Parallelism
+from torchtitan.tools.torch_compat import v_schedule_unsupported_reason
 
 _F = "parallelism.pipeline_parallel_"
 
@@ -232,6 +233,11 @@ def plan_pipeline(
 ) -> PipelinePlan:
     """Check a pipeline configuration and decide the stages and microbatches (no process group)."""
     name = normalize_schedule_name(schedule)
+    reason = (
+        v_schedule_unsupported_reason(name) if SCHEDULES[name].v_shaped and pp_degree > 1 else None
+    )
+    if reason:
+        raise ConfigError(_F + "schedule", schedule, reason, "use 1F1B or Interleaved1F1B here")
     units = list(units)
     starts = _stage_starts(units, pp_degree, name, split_points, layers_per_stage)
     n_mb = _microbatches(

@@ -17,9 +17,21 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.tools.logging import logger
 
+# Explicit override of the detected device: TORCHTITAN_DEVICE=cpu runs on CPU with gloo even where
+# CUDA is visible (the test suite sets it; several ranks on one GPU must not share it with NCCL).
+DEVICE_ENV = "TORCHTITAN_DEVICE"
+
 
 def device_type() -> str:
-    """'cuda' when a GPU is visible, else 'cpu'. Never hard-coded anywhere else."""
+    """'cuda' when a GPU is visible, else 'cpu', unless ``TORCHTITAN_DEVICE`` (cpu or cuda) says
+    which. Never hard-coded anywhere else."""
+    forced = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if forced not in ("", "cpu", "cuda"):
+        raise ValueError(f"{DEVICE_ENV}={forced!r}: expected 'cpu' or 'cuda' (or unset: detect)")
+    if forced == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{DEVICE_ENV}=cuda but torch {torch.__version__} sees no CUDA device")
+    if forced:
+        return forced
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -49,6 +61,12 @@ def init_distributed(init_timeout_s: int) -> tuple[torch.device, int, int]:
     dev_type = device_type()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if dev_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"LOCAL_RANK {local_rank} but {torch.cuda.device_count()} CUDA device(s) visible: "
+                f"one rank per GPU (NCCL cannot share a device); {DEVICE_ENV}=cpu runs the ranks "
+                "on CPU with gloo"
+            )
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

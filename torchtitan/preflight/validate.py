@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch
-
 from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import parse_args
@@ -21,6 +19,7 @@ from torchtitan.distributed.pipeline_plan import (
     normalize_schedule_name,
     plan_from_config,
 )
+from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS
 from torchtitan.preflight.validate_features import (
     validate_checkpoint,
@@ -92,7 +91,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_context_parallel(cfg, dims.cp, dims.tp)
     dims.batch_plan(cfg.training.local_batch_size, cfg.training.global_batch_size)
 
-    if cfg.training.mixed_precision_param == "bfloat16" and not torch.cuda.is_available():
+    if cfg.training.mixed_precision_param == "bfloat16" and device_type() != "cuda":
         logger.warning(
             "training.mixed_precision_param = 'bfloat16' on a machine without CUDA: it works, "
             "but bf16 matmuls are far slower than fp32 on most CPUs (use 'auto' or 'float32')"

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from torchtitan.components.checkpoint import COMPONENTS
 from torchtitan.components.checkpoint_io import complete_steps
 from torchtitan.config.errors import ConfigError, require_int
@@ -104,7 +102,7 @@ def validate_observability(cfg: JobConfig) -> None:
                 "warm-up/active steps",
             )
     if prof.enable_memory_snapshot:
-        if not torch.cuda.is_available():
+        if device_type() != "cuda":
             raise ConfigError(
                 "profiling.enable_memory_snapshot",
                 True,
@@ -207,7 +205,7 @@ def validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
                 "holds no *.safetensors files (initial_load_in_hf is set)",
                 "point it at a Hugging Face model folder",
             )
-    if ck.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+    if ck.async_mode == "async_with_pinned_mem" and device_type() != "cuda":
         raise ConfigError(
             "checkpoint.async_mode",
             ck.async_mode,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.tensor_parallel import tp_problem
+from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS
+from torchtitan.tools.torch_compat import pipeline_dtensor_unsupported_reason
 
 
 def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
@@ -17,7 +17,7 @@ def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
     p = cfg.parallelism
     if p.enable_async_tensor_parallel:
         flag, fix = "parallelism.enable_async_tensor_parallel", "remove the flag"
-        if not torch.cuda.is_available():
+        if device_type() != "cuda":
             raise ConfigError(
                 flag,
                 True,
@@ -37,6 +37,10 @@ def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
             )
     if tp < 2:
         return
+    old_torch = p.pipeline_parallel_degree > 1 and pipeline_dtensor_unsupported_reason()
+    if old_torch:
+        fix = "use tensor_parallel_degree 1 or pipeline_parallel_degree 1 with this torch"
+        raise ConfigError("parallelism.tensor_parallel_degree", tp, old_torch, fix)
     spec = MODELS[cfg.model.name]
     divisible = spec.parallel_plan(spec.flavors[cfg.model.flavor]).tensor_parallel.divisible
     problem = tp_problem(divisible, tp)
@@ -93,7 +97,7 @@ def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
             f"sequence parallel splits each rank's share over tp), so it must be divisible by {why}",
             f"use a multiple of {step}, e.g. {max(step, seq // step * step)}",
         )
-    if p.context_parallel_method == "ring" and not torch.cuda.is_available():
+    if p.context_parallel_method == "ring" and device_type() != "cuda":
         raise ConfigError(
             "parallelism.context_parallel_method",
             "ring",
