@@ -165,3 +165,18 @@ def test_validation_refuses_what_cannot_work() -> None:
     # What works passes: block_causal + all-gather CP, per-document positions.
     cfg = parse_args(["--job.config_file", DEBUG_TOML, *block, "--training.document_positions"])
     validate_attention(cfg, 2)
+
+
+def test_attention_benchmark_runs_tiny() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_mask.py"
+    spec = importlib.util.spec_from_file_location("attention_mask_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--seq_len", "128", "--heads", "2", "--min_doc", "20", "--max_doc", "50"]
+    result = bench.main([*argv, "--iters", "1", "--warmup", "0"])
+    assert result["documents"] >= 3
+    assert result["sdpa_causal_ms"] > 0 and result["sdpa_block_causal_ms"] > 0
