@@ -294,9 +294,9 @@ class Trainer:
         """Summed token loss and token count of one validation batch, forward only (the
         Validator's hook). Under PP only the last stage has a loss: ``None`` elsewhere."""
         extra = self.model_inputs(doc_ids)
-        n = labels.numel()
         with self.train_context(), self.sequence_share(inputs, labels, extra) as share:
             inputs, labels, extra = share
+            n = labels.numel()  # this rank's tokens (its share under CP)
             if self.pipeline is not None:
                 # Forward-only run of the same schedule. pipeline_loss divides each microbatch's
                 # mean by microbatches x accumulation, so the sum times accumulation is the mean.

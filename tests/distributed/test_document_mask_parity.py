@@ -18,7 +18,7 @@ import pytest
 from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
 from tests.distributed.parity_cases import check_parity, reference_metrics
 from tests.launcher import run_ranks
-from tests.parity import losses, train_metrics
+from tests.parity import assert_losses_match, losses, train_metrics
 
 STEPS = 10
 BLOCK = ["--model.attn_mask_type", "block_causal"]
@@ -110,4 +110,19 @@ def test_block_causal_bitwise_resume(tmp_path: Path) -> None:
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in straight[3:]]
     assert_checkpoints_identical(
         tmp_path / "straight" / "checkpoint" / "step-6", resumed_dump / "checkpoint" / "step-6"
+    )
+
+
+def test_block_causal_validation_loss_cp2_matches_single_process(tmp_path: Path) -> None:
+    """Validation batches carry document ids too, sharded over cp like the training ones."""
+    val = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]
+    ref = train_metrics([*BLOCK, LB, "8", *val], 1, tmp_path / "ref", steps=2)
+    got = train_metrics([*BLOCK, CP, "2", LB, "8", *val], 2, tmp_path / "cp", steps=2)
+    rows = [[r for r in m if "validation/loss" in r] for m in (ref, got)]
+    assert [r["validation/tokens"] for r in rows[1]] == [r["validation/tokens"] for r in rows[0]]
+    assert_losses_match(
+        [r["validation/loss"] for r in rows[0]],
+        [r["validation/loss"] for r in rows[1]],
+        rtol=1e-5,
+        label="block_causal CP 2 validation loss",
     )
