@@ -51,6 +51,7 @@ def build_rank_dataloader(
         split=split,
         infinite=infinite,
         sharding=t.data_sharding,
+        with_doc_ids=cfg.model.attn_mask_type == "block_causal",
     )
 
 

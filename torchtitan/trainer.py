@@ -43,8 +43,12 @@ from torchtitan.distributed.float8 import register_float8_precompute_hook
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
 from torchtitan.models import MODELS, runtime_args
+from torchtitan.models.common.attention import document_positions, resolve_attn_backend
 from torchtitan.preflight.validate import pipeline_plan
 from torchtitan.tools.logging import init_logger, logger
+
+ModelInputs = dict[str, torch.Tensor]
+"""Keyword inputs of the model's forward beyond the tokens (``doc_ids``, ``positions``)."""
 
 
 class Trainer:
@@ -97,8 +101,9 @@ class Trainer:
     def _build_model(self) -> None:
         cfg, dims = self.cfg, self.parallel_dims
         self.spec = MODELS[cfg.model.name]
+        backend = resolve_attn_backend(cfg.model.attn_backend, self.device.type, dims.cp_enabled)
         self.model_args = runtime_args(
-            self.spec, cfg.model.flavor, self.tokenizer.vocab_size, cfg.training.seq_len
+            self.spec, cfg.model.flavor, self.tokenizer.vocab_size, cfg.training.seq_len, backend
         )
         model = build_meta_model(cfg, self.spec, self.model_args, dims, self.device)
         self.loss_fn = self._build_loss_fn()
@@ -261,40 +266,56 @@ class Trainer:
             self.step = resumed["step"]
 
     # ------------------------------------------------------------------ one step
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, ModelInputs]:
+        """The next microbatch on the device: inputs, labels and the model's extra inputs
+        (document ids and positions under block_causal, see ``model_inputs``)."""
         start = time.perf_counter()
         if self.data_iter is None:
             self.data_iter = iter(self.dataloader)
-        inputs, labels = next(self.data_iter)
+        batch = next(self.data_iter)
         self.metrics.add_data_time(time.perf_counter() - start)
-        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        inputs, labels, *rest = (t.to(self.device, non_blocking=True) for t in batch)
+        return inputs, labels, self.model_inputs(rest[0] if rest else None)
+
+    def model_inputs(self, doc_ids: torch.Tensor | None) -> ModelInputs:
+        """Keyword inputs of the model's forward for a batch: none under causal masking;
+        ``doc_ids`` under block_causal, and per-document RoPE ``positions`` with
+        ``training.document_positions`` (computed on the whole sequence, before CP shards it)."""
+        if doc_ids is None:
+            return {}
+        extra = {"doc_ids": doc_ids}
+        if self.cfg.training.document_positions:
+            extra["positions"] = document_positions(doc_ids)
+        return extra
 
     def validation_loss(
-        self, inputs: torch.Tensor, labels: torch.Tensor
+        self, inputs: torch.Tensor, labels: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, int] | None:
         """Summed token loss and token count of one validation batch, forward only (the
         Validator's hook). Under PP only the last stage has a loss: ``None`` elsewhere."""
-        if self.pipeline is not None:
-            # Forward-only run of the same schedule. pipeline_loss divides each microbatch's
-            # mean by microbatches x accumulation, so the sum times accumulation is the mean.
-            with self.train_context(), self.sequence_share(inputs, labels) as (inputs, labels):
-                summed = self.pipeline.eval(inputs, labels)
-            if summed is None:
-                return None
-            mean = summed * self.grad_accum_steps
-            return dist_utils.local_tensor(mean) * labels.numel(), labels.numel()
-        with self.train_context(), self.sequence_share(inputs, labels) as (inputs, labels):
-            loss = self.loss_fn(self.model(inputs), labels)
-        return dist_utils.local_tensor(loss.detach()) * labels.numel(), labels.numel()
+        extra = self.model_inputs(doc_ids)
+        with self.train_context(), self.sequence_share(inputs, labels, extra) as share:
+            inputs, labels, extra = share
+            n = labels.numel()  # this rank's tokens (its share under CP)
+            if self.pipeline is not None:
+                # Forward-only run of the same schedule. pipeline_loss divides each microbatch's
+                # mean by microbatches x accumulation, so the sum times accumulation is the mean.
+                summed = self.pipeline.eval(inputs, labels, **extra)
+                if summed is None:
+                    return None
+                return dist_utils.local_tensor(summed * self.grad_accum_steps) * n, n
+            loss = self.loss_fn(self.model(inputs, **extra), labels)
+        return dist_utils.local_tensor(loss.detach()) * n, n
 
     def sequence_share(
-        self, inputs: torch.Tensor, labels: torch.Tensor
-    ) -> contextlib.AbstractContextManager[tuple[torch.Tensor, torch.Tensor]]:
-        """A context around forward (and backward) yielding the inputs and labels this rank
-        computes on: the whole batch, or under context parallel its share of every sequence."""
+        self, inputs: torch.Tensor, labels: torch.Tensor, extra: ModelInputs
+    ) -> contextlib.AbstractContextManager[tuple[torch.Tensor, torch.Tensor, ModelInputs]]:
+        """A context around forward (and backward) yielding the inputs, labels and extra model
+        inputs this rank computes on: the whole batch, or under context parallel its share of
+        every sequence."""
         if self.cp is None:
-            return contextlib.nullcontext((inputs, labels))
-        return self.cp.batch(inputs, labels)
+            return contextlib.nullcontext((inputs, labels, extra))
+        return self.cp.batch(inputs, labels, extra)
 
     def train_context(self) -> contextlib.ExitStack:
         """Contexts around forward, loss and backward: autocast where no FSDP/DDP policy casts
@@ -321,18 +342,25 @@ class Trainer:
         scale = self.pp_plan.n_microbatches * self.grad_accum_steps
         return self.loss_fn(logits, labels) / scale
 
-    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, extra: ModelInputs | None = None
+    ) -> torch.Tensor:
         """Forward, loss and backward of one microbatch; returns the detached, scaled loss."""
+        extra = extra or {}
         if self.pipeline is not None:
-            with self.train_context(), self.sequence_share(inputs, labels) as (inputs, labels):
-                loss = self.pipeline.step(inputs, labels)
+            with self.train_context(), self.sequence_share(inputs, labels, extra) as share:
+                inputs, labels, extra = share
+                # torch splits the tensors in ``extra`` into microbatches and gives every
+                # stage its microbatch's share (docs/attention.md).
+                loss = self.pipeline.step(inputs, labels, **extra)
             # Only the last stage has a loss. Elsewhere this zero stays in the rank's running sum
             # and is never shown: at log steps the metrics take the last stage's values.
             if loss is None:
                 return torch.zeros((), device=self.device)
             return dist_utils.local_tensor(loss)
-        with self.train_context(), self.sequence_share(inputs, labels) as (inputs, labels):
-            logits = self.model(inputs)
+        with self.train_context(), self.sequence_share(inputs, labels, extra) as share:
+            inputs, labels, extra = share
+            logits = self.model(inputs, **extra)
             # Scale so the accumulated gradient is the mean over the whole global batch.
             loss = self.loss_fn(logits, labels) / self.grad_accum_steps
             del logits
@@ -345,8 +373,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
         for _ in range(self.grad_accum_steps):
-            inputs, labels = self.next_batch()
-            step_loss += self.forward_backward(inputs, labels)
+            inputs, labels, extra = self.next_batch()
+            step_loss += self.forward_backward(inputs, labels, extra)
         params = [p for part in self.model_parts for p in part.parameters()]
         # Measure the norm (max_norm 0), check it, then clip: clipping by a NaN norm would make
         # every gradient NaN and hide the parameter where the NaN appeared.

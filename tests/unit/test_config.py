@@ -142,6 +142,20 @@ def test_every_field_has_a_docstring() -> None:
         (["--model.tokenizer_path", "/nonexistent"], 1, "model.tokenizer_path"),
         (["--lr_scheduler.decay_ratio", "1.5"], 1, "lr_scheduler.decay_ratio"),
         (["--checkpoint.interval", "0"], 1, "checkpoint.interval"),
+        (["--training.document_positions"], 1, "training.document_positions"),
+        (["--model.attn_backend", "flex"], 1, "model.attn_backend"),
+        (
+            [
+                "--model.attn_mask_type",
+                "block_causal",
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--parallelism.context_parallel_method",
+                "ring",
+            ],
+            2,
+            "parallelism.context_parallel_method",
+        ),
     ],
 )
 def test_validation_errors(argv: list[str], world: int, field: str) -> None:

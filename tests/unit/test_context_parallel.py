@@ -192,7 +192,7 @@ def _ring_batch_rank() -> dict[str, Any]:
     inputs, labels = torch.arange(32).view(2, 16), torch.arange(32).view(2, 16) + 100
     out: dict[str, Any] = {}
     cp_ring = ContextParallel(mesh, "ring", [part], rope_buffer="freqs_cis")
-    with cp_ring.batch(inputs, labels) as (i, lab):
+    with cp_ring.batch(inputs, labels) as (i, lab, _):
         out["inputs_ok"] = torch.equal(i, shard_sequence(torch.arange(32).view(2, 16), cp, rank))
         out["labels_ok"] = torch.equal(
             lab, shard_sequence(torch.arange(32).view(2, 16) + 100, cp, rank)

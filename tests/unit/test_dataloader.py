@@ -285,3 +285,27 @@ def test_finite_loader_restarts_on_each_iter(one_file: Path, tok: Tokenizer) -> 
     first, second = windows(loader), windows(loader)
     assert first and all(torch.equal(a, b) for a, b in zip(first, second))
     assert len(first) == len(second)
+
+
+def test_doc_ids_ride_with_the_batch_and_resume_exactly(four_files: Path, tok: Tokenizer) -> None:
+    """block_causal batches are (inputs, labels, doc_ids): int32 [B, S], +1 after every EOS of
+    the inputs; the tokens equal the causal loader's, and a resumed loader continues exactly."""
+    kw = dict(seq_len=64, local_batch_size=2, dp_rank=1, dp_world_size=2)
+    plain = [next(it) for it in [iter(make(four_files, tok, **kw))] for _ in range(5)]
+    ref_it = iter(make(four_files, tok, with_doc_ids=True, **kw))
+    reference = [next(ref_it) for _ in range(5)]
+    for (x, y), (x2, y2, ids) in zip(plain, reference):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+        assert ids.dtype == torch.int32 and ids.shape == x.shape
+        eos_before = (x == tok.eos_id).int().cumsum(1) - (x == tok.eos_id).int()
+        assert torch.equal(ids, eos_before)
+    assert max(int(ids.max()) for *_, ids in reference) >= 2  # several documents per window
+    first = make(four_files, tok, with_doc_ids=True, **kw)
+    it = iter(first)
+    next(it), next(it)
+    resumed = make(four_files, tok, with_doc_ids=True, **kw)
+    resumed.load_state_dict(first.state_dict())
+    it2 = iter(resumed)
+    for want in reference[2:]:
+        got = next(it2)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

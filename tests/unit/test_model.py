@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan.distributed.init_weights import init_params_deterministic
+from torchtitan.models.common.attention import AttentionCore
 from torchtitan.models.llama3 import LLAMA3_FLAVORS, ModelArgs, Transformer
-from torchtitan.models.llama3.model import CausalAttentionCore, precompute_freqs_cis
+from torchtitan.models.llama3.model import precompute_freqs_cis
 
 # Published parameter counts (Llama 3.2 1B, Llama 3.1 8B / 70B / 405B).
 PUBLISHED_PARAMS = {"1B": 1.236e9, "8B": 8.03e9, "70B": 70.55e9, "405B": 405.85e9}
@@ -105,7 +106,7 @@ def test_gqa_forward_and_positions() -> None:
     model = build(args)
     wk = model.get_parameter("layers.0.attention.wk.weight")
     assert wk.shape == (4 * args.head_dim, args.dim)
-    assert isinstance(model.get_submodule("layers.0.attention.core"), CausalAttentionCore)
+    assert isinstance(model.get_submodule("layers.0.attention.core"), AttentionCore)
     tokens = torch.randint(0, args.vocab_size, (2, 16))
     with torch.no_grad():
         default = model(tokens)

@@ -42,6 +42,7 @@ from torchtitan.components.tokenizer import Tokenizer, resolve_repo_path
 
 __all__ = [
     "DATASETS",
+    "document_ids",
     "DatasetSpec",
     "PackedTokenDataset",
     "ParallelAwareDataloader",
@@ -174,6 +175,14 @@ def load_text_dataset(
     return _load_hub(dataset, split), "text"
 
 
+def document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Document index of every token of packed windows ``inputs`` (``[..., S]``): int32, 0 for
+    the window's first (possibly partial) document, one more after every EOS token."""
+    after_eos = torch.zeros_like(inputs, dtype=torch.int32)
+    after_eos[..., 1:] = (inputs[..., :-1] == eos_id).to(torch.int32)
+    return after_eos.cumsum(dim=-1, dtype=torch.int32)
+
+
 class PackedTokenDataset(IterableDataset, Stateful):
     """Tokenized, packed ``(inputs, labels)`` windows: this data-parallel rank's share.
 
@@ -187,6 +196,9 @@ class PackedTokenDataset(IterableDataset, Stateful):
     Resume is exact: the state is the Hugging Face dataset's own position, the leftover tokens,
     the epoch and the window count, so a restored dataset yields exactly the windows the
     original would have. ``sharding`` is described in the module docstring.
+
+    With ``with_doc_ids`` each item is ``(inputs, labels, doc_ids)``: ``doc_ids`` (int32,
+    :func:`document_ids`) are computed from the window itself, so the resume state is unchanged.
     """
 
     def __init__(
@@ -200,6 +212,7 @@ class PackedTokenDataset(IterableDataset, Stateful):
         text_column: str = "text",
         name: str = "dataset",
         sharding: Literal["window", "document"] = "window",
+        with_doc_ids: bool = False,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
@@ -208,6 +221,7 @@ class PackedTokenDataset(IterableDataset, Stateful):
         self.text_column = text_column
         self._tokenizer = tokenizer
         self.sharding = sharding
+        self.with_doc_ids = with_doc_ids
         if sharding == "document":
             self._data = split_dataset_by_node(hf_dataset, rank=dp_rank, world_size=dp_world_size)
         else:
@@ -227,7 +241,7 @@ class PackedTokenDataset(IterableDataset, Stateful):
                 )
             yield example[self.text_column]
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         if self._pending is not None:
             state, self._pending = self._pending, None
             self._epoch, self._buffer = state["epoch"], list(state["buffer"])
@@ -264,7 +278,11 @@ class PackedTokenDataset(IterableDataset, Stateful):
                             continue
                         chunk = mine
                     tokens = torch.tensor(chunk, dtype=torch.int64)
-                    yield tokens[:-1], tokens[1:]
+                    if self.with_doc_ids:
+                        inputs = tokens[:-1]
+                        yield inputs, tokens[1:], document_ids(inputs, self._tokenizer.eos_id)
+                    else:
+                        yield tokens[:-1], tokens[1:]
             if not self.infinite:
                 return
             if n_docs == 0 and not first_pass:  # (a resumed pass may start at its very end)
@@ -398,9 +416,11 @@ def build_dataloader(
     infinite: bool = True,
     num_workers: int = 0,
     sharding: Literal["window", "document"] = "window",
+    with_doc_ids: bool = False,
 ) -> ParallelAwareDataloader:
     """A dataloader of ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]``
-    over this data-parallel rank's share of ``dataset`` (see :func:`load_text_dataset`)."""
+    over this data-parallel rank's share of ``dataset`` (see :func:`load_text_dataset`); with
+    ``with_doc_ids``, ``(inputs, labels, doc_ids)`` with int32 document ids of the same shape."""
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank must be in [0, {dp_world_size}), got {dp_rank}")
     hf_dataset, text_column = load_text_dataset(dataset, dataset_path, split)
@@ -414,6 +434,7 @@ def build_dataloader(
         text_column=text_column,
         name=dataset,
         sharding=sharding,
+        with_doc_ids=with_doc_ids,
     )
     return ParallelAwareDataloader(
         packed, dp_rank, dp_world_size, batch_size=local_batch_size, num_workers=num_workers

@@ -37,8 +37,9 @@ from torchtitan.tools.logging import logger
 
 __all__ = ["LossFn", "Validator"]
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], "tuple[torch.Tensor, int] | None"]
-"""(inputs, labels) -> (summed token loss, token count), or None on ranks without a loss."""
+LossFn = Callable[..., "tuple[torch.Tensor, int] | None"]
+"""(inputs, labels[, doc_ids]) -> (summed token loss, token count), or None on ranks without a
+loss; it gets every tensor of the batch, in the loader's order."""
 
 
 def _size(mesh: DeviceMesh | None) -> int:
@@ -49,7 +50,7 @@ class Validator:
     def __init__(
         self,
         *,
-        dataloader: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        dataloader: Iterable[tuple[torch.Tensor, ...]],
         freq: int,
         steps: int,
         loss_fn: LossFn,
@@ -83,7 +84,7 @@ class Validator:
         all_reduce_(flag, self.dp_mesh, op="min")
         return bool(flag.item() > 0)
 
-    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _batches(self) -> Iterator[tuple[torch.Tensor, ...]]:
         it = iter(self.dataloader)  # a fresh pass from the start of the split
         n = 0
         while self.steps < 0 or n < self.steps:
@@ -94,8 +95,7 @@ class Validator:
                 return
             assert batch is not None
             n += 1
-            inputs, labels = batch
-            yield inputs.to(self.device), labels.to(self.device)
+            yield tuple(t.to(self.device) for t in batch)
 
     @torch.no_grad()
     def validate(self, step: int) -> dict[str, float]:
@@ -108,8 +108,8 @@ class Validator:
         acc = torch.zeros(2, dtype=torch.float64, device=self.device)
         batches = 0
         try:
-            for inputs, labels in self._batches():
-                out = self.loss_fn(inputs, labels)
+            for batch in self._batches():
+                out = self.loss_fn(*batch)
                 batches += 1
                 if out is not None:
                     loss_sum, tokens = out

@@ -40,6 +40,12 @@ class Model:
     tokenizer_path: str = "tests/assets/tokenizer"
     """tiktoken BPE ranks file, or a folder holding ``tokenizer.model``."""
 
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """Attention mask of packed training windows: causal (every token sees all earlier tokens of the window, including the previous documents) or block_causal (only earlier tokens of its own document; batches then carry document ids, see docs/attention.md)."""
+
+    attn_backend: Literal["auto", "sdpa", "flex"] = "auto"
+    """Kernel for block_causal attention: sdpa (a dense boolean mask, exact, any device), flex (FlexAttention with a block mask built once per batch; CUDA, skips blocks between documents) or auto (flex on CUDA without context parallel, else sdpa). Causal attention always uses SDPA."""
+
 
 @dataclass
 class Training:
@@ -60,6 +66,9 @@ class Training:
 
     seq_len: int = 2048
     """Tokens per training sequence."""
+
+    document_positions: bool = False
+    """With model.attn_mask_type = block_causal, restart the RoPE positions at 0 at each document start, as if each document were alone in its window. Default false (positions count from the window start, as in TorchTitan): RoPE scores depend only on the distance between two tokens of the same document, so under block_causal both give the same attention up to rounding of the rotation angles."""
 
     max_norm: float = 1.0
     """Clip the total gradient norm to this value; 0 or less disables clipping (the norm is still reported)."""

@@ -12,11 +12,14 @@ Two methods (``parallelism.context_parallel_method``):
   each attention layer all-gathers K and V over ``cp`` (autograd: the backward reduce-scatters
   their gradients) and masks causally by *global* positions. Exact: the same softmax as one
   process, up to floating-point reduction order. Queries stay local, so activation memory per
-  rank falls with ``cp``; only one layer's full K/V is alive at a time.
+  rank falls with ``cp``; only one layer's full K/V is alive at a time. Under block-causal
+  masking (docs/attention.md) the document ids are sharded like the tokens and all-gathered
+  with K/V, and the mask is the model's own mask evaluated at global positions and documents.
 * ``ring`` (CUDA only): torch's experimental ``context_parallel`` (ring attention, K/V rotated
   with ``context_parallel_rotate_method``), which patches SDPA and shards inputs, labels and the
   RoPE table in place for the duration of forward and backward. On torch 2.13 it has no sharding
-  rule for CPU SDPA, hence a ConfigError there.
+  rule for CPU SDPA, hence a ConfigError there; it cannot mask by document either (a
+  ConfigError with block_causal).
 
 The loss is a mean over each rank's tokens (equal counts on every cp rank), and FSDP shards and
 averages gradients over ``dp_shard x cp``, so the gradient is the global-batch mean as without CP.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +48,20 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
 ]
+
+
+class DocumentMask(Protocol):
+    """What the all-gather core needs of the model's attention mask (``AttentionMask`` in
+    ``models/common/attention.py``): this rank's document ids and the mask at given positions."""
+
+    doc_ids: torch.Tensor
+
+    def dense(
+        self,
+        q_idx: torch.Tensor | None = None,
+        kv_idx: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
 
 def load_balanced_positions(
@@ -94,21 +112,29 @@ class AllGatherKVAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"cp={self.cp}, rank={self.rank}, n_rep={self.n_rep}"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (``[L, ...]``, this rank's two chunks, sequence first) -> the whole sequence
+        ``[S, ...]`` in global order."""
+        gathered = all_gather_autograd(x.contiguous(), 0, self.cp_mesh)
+        chunks = gathered.view(2 * self.cp, x.shape[0] // 2, *x.shape[1:])
+        # (views and one cat: no index tensor to copy to the device in every layer)
+        return torch.cat([chunks[i] for i in self.order])
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: DocumentMask | None = None
+    ) -> torch.Tensor:
         cp, n_rep = self.cp, self.n_rep
         c = k.shape[2] // 2  # this rank holds two chunks of c tokens
         # One collective for K and V, sequence first: [L, 2, B, Hkv, Dh] -> [cp * L, ...].
-        kv = torch.stack((k[:, ::n_rep], v[:, ::n_rep])).movedim(3, 0).contiguous()
-        gathered = all_gather_autograd(kv, 0, self.cp_mesh)
+        kv = torch.stack((k[:, ::n_rep], v[:, ::n_rep])).movedim(3, 0)
         # Rank order [r0 head, r0 tail, r1 head, ...] -> global chunk order 0..2cp-1.
-        chunks = gathered.view(2 * cp, c, *kv.shape[1:])
-        # (views and one cat: no index tensor to copy to the device in every layer)
-        full = torch.cat([chunks[i] for i in self.order])
-        full = full.movedim(0, 3)  # [2, B, Hkv, S, Dh]
+        full = self._gather_sequence(kv).movedim(0, 3)  # [2, B, Hkv, S, Dh]
         k_all, v_all = full[0], full[1]
         if n_rep > 1:
             k_all = k_all.repeat_interleave(n_rep, dim=1)
             v_all = v_all.repeat_interleave(n_rep, dim=1)
+        if mask is not None:
+            return self._document_masked(q, k_all, v_all, mask)
         outs = []
         for slot, g in enumerate((self.rank, 2 * cp - 1 - self.rank)):
             # Chunk g's queries see keys 0 .. (g + 1) * c - 1, the last chunk causally.
@@ -122,6 +148,37 @@ class AllGatherKVAttention(nn.Module):
                 # masked attention in backward keeps only q, k, v (one more attention forward).
                 outs.append(checkpoint(_masked_chunk, q_g, k_g, v_g, g * c, use_reentrant=False))
         return torch.cat(outs, dim=2)
+
+    def _document_masked(
+        self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: DocumentMask
+    ) -> torch.Tensor:
+        """Block-causal attention: the document ids are gathered like K/V, and each local
+        chunk's queries use the model's mask at their global positions over keys ``0 ..``."""
+        c = q.shape[2] // 2
+        doc_all = self._gather_sequence(mask.doc_ids.t()).t()  # [B, S], global order
+        outs = []
+        for slot, g in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
+            q_g = q[:, :, slot * c : (slot + 1) * c]
+            k_g, v_g = k_all[:, :, : (g + 1) * c], v_all[:, :, : (g + 1) * c]
+            args = (q_g, k_g, v_g, mask, doc_all, g * c)
+            outs.append(checkpoint(_document_chunk, *args, use_reentrant=False))
+        return torch.cat(outs, dim=2)
+
+
+def _document_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: DocumentMask,
+    doc_all: torch.Tensor,
+    offset: int,
+) -> torch.Tensor:
+    """Queries at global positions ``offset ..`` over keys ``0 ..``, masked by ``mask``'s
+    definition (position and document); recomputed in backward like ``_masked_chunk``."""
+    q_pos = torch.arange(offset, offset + q.shape[2], device=q.device)
+    kv_pos = torch.arange(k.shape[2], device=q.device)
+    dense = mask.dense(q_pos, kv_pos, doc_all)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
 
 
 def _masked_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
@@ -172,8 +229,9 @@ def apply_cp(
 
 
 class ContextParallel:
-    """What the trainer does with a batch under CP: ``with cp.batch(inputs, labels) as (i, l):``
-    runs forward and backward on this rank's share of the sequence."""
+    """What the trainer does with a batch under CP: ``with cp.batch(inputs, labels, extra) as
+    (i, l, e):`` runs forward and backward on this rank's share of the sequence; ``extra`` (the
+    model's ``[B, S]`` keyword inputs: document ids, positions) is sharded like the tokens."""
 
     def __init__(
         self,
@@ -195,14 +253,17 @@ class ContextParallel:
 
     @contextlib.contextmanager
     def batch(
-        self, inputs: torch.Tensor, labels: torch.Tensor
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any] | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        extra = extra or {}
         if self.method != "ring":
             yield (
                 shard_sequence(inputs, self.cp, self.rank),
                 shard_sequence(labels, self.cp, self.rank),
+                {k: shard_sequence(t, self.cp, self.rank) for k, t in extra.items()},
             )
             return
+        assert not extra, "ring attention takes no document ids (refused by config validation)"
         from torch.distributed.tensor.experimental import context_parallel
 
         # torch shards these in place (same head-tail layout) and restores the RoPE tables.
@@ -218,4 +279,4 @@ class ContextParallel:
             buffer_seq_dims=[1, 1, *([0] * len(tables))],
             no_restore_buffers={inputs, labels},
         ):
-            yield inputs, labels
+            yield inputs, labels, extra

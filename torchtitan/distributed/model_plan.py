@@ -63,6 +63,10 @@ class ModelParallelPlan:
     """None: the model cannot run on a sharded sequence."""
     tied_embeddings: bool = False
     """The embedding and output share one weight (pipeline parallel cannot split them)."""
+    document_mask: bool = False
+    """The forward accepts ``doc_ids=`` (int ``[B, S]``) and then attends only within each
+    document (``model.attn_mask_type = "block_causal"``, docs/attention.md); with a CP plan its
+    attention core also takes the mask (``q, k, v, mask``)."""
 
     def blocks_of(self, model: nn.Module) -> nn.ModuleDict:
         blocks = model.get_submodule(self.blocks)

@@ -67,21 +67,31 @@ class Pipeline:
         self.has_first = any(s.is_first for s in stages)
         self.has_last = any(s.is_last for s in stages)
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    def step(
+        self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: torch.Tensor
+    ) -> torch.Tensor | None:
         """Forward and backward of one local batch, split into the plan's microbatches.
+        ``kwargs`` (``[B, ...]`` tensors, e.g. document ids) go to every stage's forward, split
+        along the batch like ``inputs`` (torch's schedule does it).
 
         Returns the sum of the microbatch losses (each already scaled by the loss function) on
         the rank holding the last stage, ``None`` elsewhere: other stages have no loss.
         """
-        return self._run(self.schedule.step, inputs, labels)
+        return self._run(self.schedule.step, inputs, labels, kwargs)
 
-    def eval(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    def eval(
+        self, inputs: torch.Tensor, labels: torch.Tensor, **kwargs: torch.Tensor
+    ) -> torch.Tensor | None:
         """Forward only (validation), like ``step``: torch runs the schedule with the stages
         in eval mode and switches them back."""
-        return self._run(self.schedule.eval, inputs, labels)
+        return self._run(self.schedule.eval, inputs, labels, kwargs)
 
     def _run(
-        self, run: Callable[..., object], inputs: torch.Tensor, labels: torch.Tensor
+        self,
+        run: Callable[..., object],
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        kwargs: dict[str, torch.Tensor],
     ) -> torch.Tensor | None:
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         run(
@@ -89,6 +99,7 @@ class Pipeline:
             target=labels if self.has_last else None,
             losses=losses,
             return_outputs=False,
+            **kwargs,
         )
         if losses is None:
             return None

@@ -92,7 +92,15 @@ class ModelSpec(Protocol):
         ...
 
 
-def runtime_args(spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int) -> Any:
+def runtime_args(
+    spec: ModelSpec, flavor: str, vocab_size: int, seq_len: int, attn_backend: str | None = None
+) -> Any:
     """The flavor's args with the tokenizer's vocabulary and the training sequence length:
-    what the trainer builds and what the estimator and planner model."""
-    return dataclasses.replace(spec.flavors[flavor], vocab_size=vocab_size, max_seq_len=seq_len)
+    what the trainer builds and what the estimator and planner model. ``attn_backend`` (resolved,
+    ``sdpa``/``flex``) is set where the family's args have that field (docs/attention.md)."""
+    args = spec.flavors[flavor]
+    extra: dict[str, Any] = {}
+    names = {f.name for f in dataclasses.fields(args)}
+    if attn_backend is not None and "attn_backend" in names:
+        extra["attn_backend"] = attn_backend
+    return dataclasses.replace(args, vocab_size=vocab_size, max_seq_len=seq_len, **extra)

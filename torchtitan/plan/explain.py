@@ -16,6 +16,7 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import AXES, ParallelDims
 from torchtitan.distributed.utils import device_type as detect_device_type
 from torchtitan.models import MODELS
+from torchtitan.models.common.attention import resolve_attn_backend
 from torchtitan.plan.estimator import (
     GIB,
     MemoryEstimate,
@@ -89,6 +90,7 @@ def explain(
         + (f" (sequence split over cp={dims.cp})" if dims.cp > 1 else "")
         + (f"; the {dims.tp} TP ranks of a group share them" if dims.tp > 1 else "")
     )
+    add(_attention_line(cfg, device_type, dims.cp))
     if plan is not None:
         mb = t.local_batch_size // plan.n_microbatches
         bubble = pipeline_bubble(
@@ -156,3 +158,17 @@ def _warnings(
             "FSDP (data_parallel_shard_degree) divides them"
         )
     return out
+
+
+def _attention_line(cfg: JobConfig, device_type: str, cp: int) -> str:
+    """The mask, the kernel that runs it and how MFU counts it (docs/attention.md)."""
+    m = cfg.model
+    if m.attn_mask_type == "causal":
+        return "attention: causal (SDPA is_causal); MFU counts causal attention FLOPs"
+    backend = resolve_attn_backend(m.attn_backend, device_type, cp > 1)
+    kernel = "FlexAttention + BlockMask" if backend == "flex" else "SDPA + dense boolean mask"
+    pos = "per-document" if cfg.training.document_positions else "window"
+    return (
+        f"attention: block_causal (documents split at EOS), {kernel}, {pos} RoPE positions; "
+        "MFU counts causal attention FLOPs (skipped blocks too: an upper bound)"
+    )

@@ -22,6 +22,7 @@ from torchtitan.distributed.pipeline_plan import (
 from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS
 from torchtitan.preflight.validate_features import (
+    validate_attention,
     validate_checkpoint,
     validate_observability,
     validate_speed_features,
@@ -89,6 +90,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     pipeline_plan(cfg)  # split, schedule and microbatch checks (no-op without PP)
     validate_tensor_parallel(cfg, dims.tp)
     validate_context_parallel(cfg, dims.cp, dims.tp)
+    validate_attention(cfg, dims.cp)
     dims.batch_plan(cfg.training.local_batch_size, cfg.training.global_batch_size)
 
     if cfg.training.mixed_precision_param == "bfloat16" and device_type() != "cuda":

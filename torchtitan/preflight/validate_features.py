@@ -257,3 +257,48 @@ def validate_seed_checkpoint(cfg: JobConfig, world_size: int) -> None:
             "would resume from instead of the seed",
             "use a fresh job.dump_folder or checkpoint.folder",
         )
+
+
+def validate_attention(cfg: JobConfig, cp: int) -> None:
+    """The attention mask and kernel can run here (docs/attention.md)."""
+    m = cfg.model
+    block = m.attn_mask_type == "block_causal"
+    if block:
+        spec = MODELS[m.name]
+        if not spec.parallel_plan(spec.flavors[m.flavor]).document_mask:
+            raise ConfigError(
+                "model.attn_mask_type",
+                m.attn_mask_type,
+                f"model {m.name} does not take document ids (its plan has document_mask=False)",
+                "use causal, or a model family with block-causal attention (llama3)",
+            )
+    if cfg.training.document_positions and not block:
+        raise ConfigError(
+            "training.document_positions",
+            True,
+            "per-document positions need attention that stays within each document, and "
+            f"model.attn_mask_type is {m.attn_mask_type!r}",
+            "add --model.attn_mask_type block_causal, or drop --training.document_positions",
+        )
+    if m.attn_backend == "flex" and device_type() != "cuda":
+        raise ConfigError(
+            "model.attn_backend",
+            "flex",
+            "FlexAttention needs CUDA here: torch 2.13 has no FlexAttention backward on CPU",
+            "use auto or sdpa (the exact dense-mask path)",
+        )
+    if m.attn_backend == "flex" and cp > 1:
+        raise ConfigError(
+            "model.attn_backend",
+            "flex",
+            "context parallel's all-gather attention masks with SDPA (the model's mask at "
+            "global positions), so a block mask would be built and never used",
+            "use auto (sdpa under context parallel) or sdpa",
+        )
+    if block and cp > 1 and cfg.parallelism.context_parallel_method == "ring":
+        raise ConfigError(
+            "parallelism.context_parallel_method",
+            "ring",
+            "torch's ring attention has no document mask, so block_causal cannot run on it",
+            "use --parallelism.context_parallel_method allgather, or attn_mask_type causal",
+        )

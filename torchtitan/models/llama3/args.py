@@ -61,6 +61,11 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     """Share one matrix between the token embedding and the output projection (Llama 3.2 1B/3B)."""
 
+    attn_backend: str = "sdpa"
+    """Kernel for block-causal attention (``doc_ids`` given to the forward): ``sdpa`` (a dense
+    boolean mask, exact on every device) or ``flex`` (FlexAttention with a block mask, CUDA).
+    The trainer sets it from ``model.attn_backend`` (docs/attention.md)."""
+
     depth_init: bool = True
     """Scale the init std of the residual-branch output projections (wo, w2, w3) by the block's
     depth, ``0.02 / sqrt(2 * (layer_id + 1))``; when False, by the model's depth,

@@ -4,7 +4,8 @@ Parallelism is applied from outside, so the module is written to survive it:
 
 * Attention derives the number of local heads from tensor shapes, so column-sharded
   ``wq``/``wk``/``wv`` (tensor parallel) work unchanged.
-* The attention math lives in a swappable submodule, ``Attention.core`` (context parallel).
+* The attention math lives in a swappable submodule, ``Attention.core`` (context parallel);
+  it is the shared ``models/common/attention.py`` core (causal or block-causal masks).
 * Blocks sit in an ``nn.ModuleDict`` keyed ``"0".."n_layers-1"``; a pipeline stage deletes the
   blocks it does not own and may set ``tok_embeddings``, ``norm`` or ``output`` to ``None``,
   and parameter names stay the same as in the full model.
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.distributed.init_weights import ParamInit, init_params_deterministic
+from torchtitan.models.common.attention import AttentionCore, AttentionMask, build_attention_mask
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.llama3.kv_cache import KVCache, LayerKVCache
 
@@ -103,16 +105,6 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     )
 
 
-class CausalAttentionCore(nn.Module):
-    """``softmax(q k^T / sqrt(Dh) + causal mask) v`` on ``[B, H, S, Dh]`` tensors.
-
-    A module of its own so that context parallelism can replace it.
-    """
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
 class Attention(nn.Module):
     """Multi-head attention with grouped-query key/value heads and rotary embeddings."""
 
@@ -123,10 +115,14 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.core = CausalAttentionCore()
+        self.core = AttentionCore()
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: LayerKVCache | None = None
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        mask: AttentionMask | None = None,
+        cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1, not n_heads: under tensor parallel these hold only this rank's heads.
@@ -140,7 +136,7 @@ class Attention(nn.Module):
         q = xq.transpose(1, 2)
         k = repeat_kv(xk, n_rep).transpose(1, 2)
         v = repeat_kv(xv, n_rep).transpose(1, 2)
-        out = self.core(q, k, v) if cache is None else cache.attend(q, k, v)  # [B, H, S, Dh]
+        out = self.core(q, k, v, mask) if cache is None else cache.attend(q, k, v)  # [B, H, S, Dh]
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return self.wo(out)
 
@@ -170,9 +166,14 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: LayerKVCache | None = None
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        mask: AttentionMask | None = None,
+        cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, cache=cache)
+        # mask and cache by keyword: tensor parallel prepares only (x, freqs_cis).
+        h = x + self.attention(self.attention_norm(x), freqs_cis, mask=mask, cache=cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -248,11 +249,14 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
     ) -> torch.Tensor:
         """``tokens``: int ids ``[B, S]`` (or hidden states ``[B, S, dim]`` when this stage has no
         embedding). ``positions``: global token positions for RoPE, int64 ``[S]`` or ``[B, S]``;
-        default ``arange(S)``. Returns logits ``[B, S, vocab]`` (or hidden states, see class doc).
+        default ``arange(S)`` (per-document positions come in here too). ``doc_ids``: int
+        ``[B, S]`` document index of each token: attention is then block-causal (within a
+        document only, docs/attention.md); ``None`` is plain causal. Returns logits ``[B, S, vocab]`` (or hidden states, see class doc).
         ``cache``: generation only (``kv_cache.py``); ``tokens`` then continue the cached
         sequence and ``positions`` must say where.
         """
@@ -262,8 +266,12 @@ class Transformer(nn.Module):
             freqs_cis = self.freqs_cis[:seqlen]
         else:
             freqs_cis = self.freqs_cis[positions]
+        mask = None if doc_ids is None else build_attention_mask(doc_ids, self.args.attn_backend)
         for key, layer in self.layers.items():
-            h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(key))
+            if cache is None:
+                h = layer(h, freqs_cis, mask=mask)
+            else:
+                h = layer(h, freqs_cis, mask=mask, cache=cache.layer(key))
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -97,4 +97,5 @@ def llama3_parallel_plan(args: ModelArgs) -> ModelParallelPlan:
             rope_buffer="freqs_cis",
         ),
         tied_embeddings=args.tie_word_embeddings,
+        document_mask=True,
     )

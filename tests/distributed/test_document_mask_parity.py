@@ -1,0 +1,128 @@
+"""Tier 3: block-causal (document) attention trains like one process under every parallelism.
+
+The single-process run with ``model.attn_mask_type = block_causal`` is the reference; each
+layout trains the same 10 steps on the same global batch and must match it step by step (loss
+within 1e-5 relative, grad norm within 5e-4). The reference itself must differ from the causal
+run, or the mask would not be doing anything. Batches carry document ids; FSDP and TP only pass
+them through, PP splits them per microbatch and hands each stage its microbatch's ids, CP shards
+them head-tail like the tokens and all-gathers them with K/V (docs/attention.md).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
+from tests.distributed.parity_cases import check_parity, reference_metrics
+from tests.launcher import run_ranks
+from tests.parity import assert_losses_match, losses, train_metrics
+
+STEPS = 10
+BLOCK = ["--model.attn_mask_type", "block_causal"]
+DOC_POS = ["--training.document_positions"]
+LB = "--training.local_batch_size"
+CP = "--parallelism.context_parallel_degree"
+TP = "--parallelism.tensor_parallel_degree"
+FSDP = "--parallelism.data_parallel_shard_degree"
+
+
+def pp(schedule: str) -> list[str]:
+    return [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+    ]
+
+
+CASES = {
+    # id: (world size, overrides, slow)
+    "fsdp2": (2, [LB, "4"], False),
+    "tp2": (2, [TP, "2", LB, "8"], False),
+    "pp2_1f1b": (2, [*pp("1F1B"), LB, "8"], False),
+    "pp2_interleaved": (2, [*pp("Interleaved1F1B"), LB, "8"], False),
+    "cp2": (2, [CP, "2", LB, "8"], False),
+    "fsdp2xtp2": (4, [FSDP, "2", TP, "2", LB, "4"], True),
+    "pp2xfsdp2xcp2": (8, [*pp("1F1B"), FSDP, "2", CP, "2", LB, "4"], True),
+}
+_REFERENCE: dict[str, list[dict]] = {}
+
+
+def block_reference(tmp_path_factory: pytest.TempPathFactory, extra: list[str]) -> list[dict]:
+    key = " ".join(extra)
+    if key not in _REFERENCE:
+        dump = tmp_path_factory.mktemp("block_reference")
+        _REFERENCE[key] = train_metrics([*BLOCK, *extra, LB, "8"], 1, dump, STEPS)
+    return _REFERENCE[key]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    ref = block_reference(tmp_path_factory, [])
+    causal = losses(reference_metrics(tmp_path_factory, steps=STEPS))
+    diff = max(abs(a - b) / a for a, b in zip(losses(ref), causal))
+    print(f"block_causal vs causal reference: max relative loss difference {diff:.3e}")
+    assert diff > 1e-3, "block_causal trained exactly like causal: the mask is not applied"
+    return ref
+
+
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.slow) if CASES[c][2] else c for c in CASES],
+)
+def test_block_causal_matches_single_process(
+    reference: list[dict], tmp_path: Path, case: str
+) -> None:
+    world, overrides, _ = CASES[case]
+    check_parity(reference, [*BLOCK, *overrides], world, tmp_path, label=f"block_causal {case}")
+
+
+@pytest.mark.slow
+def test_document_positions_cp2_matches_single_process(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Per-document RoPE positions are computed on the whole sequence, then sharded by CP."""
+    ref = block_reference(tmp_path_factory, DOC_POS)
+    overrides = [*BLOCK, *DOC_POS, CP, "2", LB, "8"]
+    check_parity(ref, overrides, 2, tmp_path, label="block_causal + document positions, CP 2")
+
+
+def test_block_causal_bitwise_resume(tmp_path: Path) -> None:
+    """One process, block_causal: 6 straight steps == 3 steps + resume + 3 steps, bit for bit
+    (the data position includes nothing new: document ids are recomputed from the window)."""
+
+    def run(dump: Path) -> list[dict]:
+        argv = ckpt_argv(*BLOCK, LB, "8")
+        result = run_ranks(train_with_faults, 1, argv, str(dump), None, 0, timeout=600)
+        return result[0]
+
+    straight = run(tmp_path / "straight")
+    resumed_dump = tmp_path / "resumed"
+    (resumed_dump / "checkpoint").mkdir(parents=True)
+    src = tmp_path / "straight" / "checkpoint" / "step-3"
+    shutil.copytree(src, resumed_dump / "checkpoint" / "step-3")
+    resumed = run(resumed_dump)
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    assert losses(resumed) == losses(straight)[3:]
+    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in straight[3:]]
+    assert_checkpoints_identical(
+        tmp_path / "straight" / "checkpoint" / "step-6", resumed_dump / "checkpoint" / "step-6"
+    )
+
+
+def test_block_causal_validation_loss_cp2_matches_single_process(tmp_path: Path) -> None:
+    """Validation batches carry document ids too, sharded over cp like the training ones."""
+    val = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]
+    ref = train_metrics([*BLOCK, LB, "8", *val], 1, tmp_path / "ref", steps=2)
+    got = train_metrics([*BLOCK, CP, "2", LB, "8", *val], 2, tmp_path / "cp", steps=2)
+    rows = [[r for r in m if "validation/loss" in r] for m in (ref, got)]
+    assert [r["validation/tokens"] for r in rows[1]] == [r["validation/tokens"] for r in rows[0]]
+    assert_losses_match(
+        [r["validation/loss"] for r in rows[0]],
+        [r["validation/loss"] for r in rows[1]],
+        rtol=1e-5,
+        label="block_causal CP 2 validation loss",
+    )

@@ -1,0 +1,1 @@
+"""Pieces shared by model families (attention kernels and masks)."""

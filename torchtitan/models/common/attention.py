@@ -1,0 +1,150 @@
+"""Attention masks and kernels shared by model families (docs/attention.md).
+
+One mask definition, :func:`document_causal_mask_mod`, a FlexAttention ``mask_mod`` of
+``(b, h, q_idx, kv_idx)``: a query attends to a key at or before it in the same document. It
+feeds every kernel:
+
+* ``flex`` (CUDA): :func:`build_attention_mask` turns it into a ``BlockMask`` once per batch
+  (``create_block_mask``), shared by every layer; blocks between documents are skipped.
+* ``sdpa`` (any device, the exact CPU path with backward): :func:`dense_mask` evaluates the same
+  function on broadcast index tensors, giving a boolean ``[B, 1, Lq, Lk]`` mask for SDPA.
+* context parallel's all-gather core evaluates it at global query positions over the gathered
+  document ids (``AttentionMask.dense``), so it masks by position and document.
+
+Document ids count the documents of a packed window: ``doc_ids[b, i]`` is the number of EOS
+tokens among ``inputs[b, :i]`` (the data loader makes them, ``components/dataloader.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "AttentionCore",
+    "AttentionMask",
+    "MaskMod",
+    "build_attention_mask",
+    "dense_mask",
+    "document_causal_mask_mod",
+    "document_positions",
+    "resolve_attn_backend",
+]
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def document_causal_mask_mod(doc_ids: torch.Tensor) -> MaskMod:
+    """The block-causal ("document") mask over ``doc_ids`` (int ``[B, S]``): ``True`` where
+    query ``q_idx`` of sample ``b`` may attend to key ``kv_idx``."""
+
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return (kv_idx <= q_idx) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return mask_mod
+
+
+def dense_mask(
+    mask_mod: MaskMod, batch: int, q_idx: torch.Tensor, kv_idx: torch.Tensor
+) -> torch.Tensor:
+    """``mask_mod`` evaluated at every (sample, query, key): bool ``[batch, 1, Lq, Lk]``."""
+    b = torch.arange(batch, device=q_idx.device)[:, None, None, None]
+    h = torch.zeros((), dtype=torch.int64, device=q_idx.device)
+    return mask_mod(b, h, q_idx[None, None, :, None], kv_idx[None, None, None, :])
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position of every token within its document (int64 ``[B, S]``): RoPE positions that
+    restart at 0 where a document starts."""
+    seq = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start_pos = torch.where(starts, seq, torch.zeros_like(seq)).cummax(dim=1).values
+    return seq - start_pos
+
+
+class AttentionMask(NamedTuple):
+    """What one forward's attention layers share: the document ids of the tokens the model
+    holds and, for the flex backend, the ``BlockMask`` built from them once per batch."""
+
+    doc_ids: torch.Tensor
+    block_mask: Any = None  # torch.nn.attention.flex_attention.BlockMask
+
+    def dense(
+        self,
+        q_idx: torch.Tensor | None = None,
+        kv_idx: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The boolean SDPA mask ``[B, 1, Lq, Lk]`` at positions ``q_idx`` x ``kv_idx``
+        (default: every position of ``doc_ids``, itself defaulting to this mask's)."""
+        ids = self.doc_ids if doc_ids is None else doc_ids
+        full = torch.arange(ids.shape[1], device=ids.device)
+        return dense_mask(
+            document_causal_mask_mod(ids),
+            ids.shape[0],
+            full if q_idx is None else q_idx,
+            full if kv_idx is None else kv_idx,
+        )
+
+
+def build_attention_mask(doc_ids: torch.Tensor, backend: str) -> AttentionMask:
+    """The mask every layer of one forward uses; ``flex`` builds its ``BlockMask`` here, once."""
+    if backend != "flex":
+        return AttentionMask(doc_ids)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, seq = doc_ids.shape
+    block = create_block_mask(
+        document_causal_mask_mod(doc_ids), batch, None, seq, seq, device=doc_ids.device
+    )
+    return AttentionMask(doc_ids, block)
+
+
+def resolve_attn_backend(backend: str, device_type: str, cp_enabled: bool) -> str:
+    """``auto`` -> ``flex`` on CUDA without context parallel, else ``sdpa`` (the only backend
+    context parallel's all-gather core and CPU training support)."""
+    if backend != "auto":
+        return backend
+    return "flex" if device_type == "cuda" and not cp_enabled else "sdpa"
+
+
+_compiled_flex: Callable[..., Any] | None = None
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> Any:
+    """FlexAttention, compiled once per process (eager flex materializes the scores)."""
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex(q, k, v, block_mask=block_mask)
+
+
+class AttentionCore(nn.Module):
+    """``q, k, v`` (``[B, H, S, Dh]``, K/V heads already repeated) -> attention output.
+
+    Causal SDPA without a mask; with an :class:`AttentionMask`, FlexAttention over its
+    ``BlockMask`` when it has one, else SDPA with the same mask made dense (exact, with
+    backward on every device). A module of its own so context parallel can replace it.
+    """
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: AttentionMask | None = None,
+    ) -> torch.Tensor:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask.block_mask is not None:
+            return _flex_attention(q, k, v, mask.block_mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense())
