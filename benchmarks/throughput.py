@@ -57,6 +57,7 @@ _AC_FULL = ["--activation_checkpoint.mode", "full"]
 _AC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]  # fmt: skip
 _F8_TW = ["--quantize.dense.float8.enable", "--quantize.dense.float8.recipe_name", "tensorwise"]
 _F8_RW = ["--quantize.dense.float8.enable", "--quantize.dense.float8.recipe_name", "rowwise"]
+_BLOCK = ["--model.attn_mask_type", "block_causal"]
 LADDER: list[tuple[str, list[str]]] = [
     ("eager", []),
     ("compile", _COMPILE),
@@ -70,6 +71,10 @@ LADDER: list[tuple[str, list[str]]] = [
     ("compile+float8_rowwise", _COMPILE + _F8_RW),
     ("compile+ac_op+float8_tensorwise", _COMPILE + _AC_OP + _F8_TW),
     ("compile+ac_op+float8_rowwise", _COMPILE + _AC_OP + _F8_RW),
+    # Document masking (docs/attention.md): FlexAttention on CUDA, the exact dense-mask SDPA
+    # path elsewhere; compare with eager / compile above.
+    ("block_causal", _BLOCK),
+    ("compile+block_causal", _COMPILE + _BLOCK),
 ]
 
 

@@ -26,7 +26,7 @@ export PYTHONUNBUFFERED=1 TORCHTITAN_DEVICE=$([[ $mode == cpu ]] && echo cpu || 
 debug=(--job.config_file train_configs/debug_model.toml --metrics.no-enable_tensorboard)
 
 if [[ $mode == gpu ]]; then
-    ladder_only="eager,compile,compile+float8_tensorwise,compile+float8_rowwise"
+    ladder_only="eager,compile,compile+float8_tensorwise,compile+float8_rowwise,compile+block_causal"
     ladder_args=(--warmup 3 --steps "${LADDER_STEPS:-10}" -- "${debug[@]}" --model.flavor 1B
         --training.seq_len 8192 --training.local_batch_size 1
         --training.mixed_precision_param bfloat16)

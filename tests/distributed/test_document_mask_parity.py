@@ -45,6 +45,10 @@ CASES = {
     "pp2_1f1b": (2, [*pp("1F1B"), LB, "8"], False),
     "pp2_interleaved": (2, [*pp("Interleaved1F1B"), LB, "8"], False),
     "cp2": (2, [CP, "2", LB, "8"], False),
+    # One process: activation checkpointing recomputes the masked attention, and two
+    # accumulation steps each carry their own document ids.
+    "ac_full_accum2": (1, [LB, "4", "--activation_checkpoint.mode", "full"], False),
+    "compile": (1, [LB, "8", "--compile.enable"], True),
     "fsdp2xtp2": (4, [FSDP, "2", TP, "2", LB, "4"], True),
     "pp2xfsdp2xcp2": (8, [*pp("1F1B"), FSDP, "2", CP, "2", LB, "4"], True),
 }
