@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     t = cfg.training
     if cfg.quantize.dense.float8.enable:
         raise SystemExit("overhead.py compares plain loops; drop --quantize.dense.float8.enable")
+    if cfg.model.attn_mask_type != "causal":
+        raise SystemExit("overhead.py's minimal loop is causal; drop --model.attn_mask_type")
     trainer = Trainer(cfg)
     if trainer.parallel_dims.world_size != 1 or trainer.grad_accum_steps != 1:
         raise SystemExit("overhead.py runs one process without gradient accumulation")

@@ -130,3 +130,15 @@ def test_block_causal_validation_loss_cp2_matches_single_process(tmp_path: Path)
         rtol=1e-5,
         label="block_causal CP 2 validation loss",
     )
+
+
+def test_block_causal_with_float8_stays_close_to_fp32(
+    reference: list[dict], tmp_path: Path
+) -> None:
+    """float8 converts the linear layers only; with block_causal it stays within float8's
+    rounding of the fp32 block_causal run (as causal float8 does, test_compile_float8.py)."""
+    f8 = ["--quantize.dense.float8.enable", "--no-quantize.dense.float8.auto_filter_small_kn"]
+    got = train_metrics([*BLOCK, *f8, LB, "8"], 1, tmp_path, STEPS)
+    label = "block_causal float8 tensorwise vs fp32"
+    worst = assert_losses_match(losses(reference), losses(got), rtol=5e-3, label=label)
+    assert worst > 1e-6, "float8 losses equal fp32 exactly: were any layers converted?"

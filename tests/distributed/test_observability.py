@@ -83,8 +83,8 @@ def _run(argv: list[str], dump: str, hooks: dict[str, Any]) -> dict[str, Any]:
 
                 self.model.output.register_forward_hook(keep)  # type: ignore[union-attr]
 
-        def forward_backward(self, inputs, labels):  # type: ignore[no-untyped-def]
-            loss = super().forward_backward(inputs, labels)
+        def forward_backward(self, inputs, labels, extra=None):  # type: ignore[no-untyped-def]
+            loss = super().forward_backward(inputs, labels, extra)
             if hooks.get("nan") and self.step == NAN_STEP and rank == 1:
                 for name, p in self.model.named_parameters():
                     if name == NAN_PARAM and p.grad is not None:
