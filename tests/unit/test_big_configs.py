@@ -17,7 +17,6 @@ chunks) and this rank's parameter count. The vocabulary is the Llama 3 tokenizer
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,13 +28,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from torchtitan.builders import build_meta_model
 from torchtitan.config import JobConfig, parse_args
 from torchtitan.config.__main__ import main as config_cli
-from torchtitan.distributed.float8 import apply_float8
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import split_model
-from torchtitan.models import MODELS
+from torchtitan.models import MODELS, runtime_args
 from torchtitan.preflight.validate import pipeline_plan, validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -128,22 +127,10 @@ def _build_rank(
     dims = ParallelDims.from_config(cfg.parallelism, world)
     dims.build_mesh("cpu")
     spec = MODELS[cfg.model.name]
-    args = dataclasses.replace(
-        spec.flavors[cfg.model.flavor], vocab_size=VOCAB, max_seq_len=cfg.training.seq_len
-    )
-    with torch.device("meta"):
-        model = spec.build(args)
-    f8 = cfg.quantize.dense.float8
-    if f8.enable:  # the trainer's converter step (emulated here: no float8 hardware)
-        apply_float8(
-            model,
-            recipe_name=f8.recipe_name,
-            filter_fqns=f8.filter_fqns,
-            auto_filter_small_kn=f8.auto_filter_small_kn,
-            enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather and dims.fsdp_enabled,
-            emulate=True,
-            device_type="cpu",
-        )
+    args = runtime_args(spec, cfg.model.flavor, VOCAB, cfg.training.seq_len)
+    # The trainer's converter step; float8 is emulated here (no float8 hardware).
+    cfg.quantize.dense.float8.emulate = True
+    model = build_meta_model(cfg, spec, args, dims, torch.device("cpu"))
     plan = pipeline_plan(cfg)
     stage_ids = plan.stage_ids(dims.coordinates()["pp"]) if plan else []
     model_plan = spec.parallel_plan(args)
