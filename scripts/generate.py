@@ -151,7 +151,7 @@ def generate(
         else:
             new = tokens[:, cache.length :]
             positions = torch.arange(cache.length, tokens.shape[1], device=device)
-            logits = model(new, positions, cache)
+            logits = model(new, positions=positions, cache=cache)
         nxt = sample_next(logits[:, -1], temperature, top_k, generator)
         if tp_group is not None:
             dist.broadcast(nxt, group_src=0, group=tp_group)

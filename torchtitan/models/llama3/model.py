@@ -249,8 +249,8 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
-        doc_ids: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``tokens``: int ids ``[B, S]`` (or hidden states ``[B, S, dim]`` when this stage has no
         embedding). ``positions``: global token positions for RoPE, int64 ``[S]`` or ``[B, S]``;
