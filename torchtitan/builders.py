@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpoint_safety import resume_settings
 from torchtitan.components.dataloader import ParallelAwareDataloader, build_dataloader
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.metrics_writers import MetricWriter, build_writers
@@ -207,4 +208,5 @@ def build_checkpointer(
         hf_adapter=spec.state_dict_adapter(args) if ck.initial_load_in_hf else None,
         last_save_model_only=ck.last_save_model_only,
         export_dtype=getattr(torch, ck.export_dtype),
+        resume_settings=resume_settings(cfg),
     )
