@@ -88,6 +88,21 @@ class Training:
     nonfinite_policy: Literal["raise", "skip_step"] = "raise"
     """What a NaN/inf loss or gradient norm does (it is reported with the step, the rank and the first parameter with a non-finite gradient): raise stops training; skip_step skips that optimizer step (the LR schedule still advances) and counts it."""
 
+    spike_policy: Literal["off", "warn", "skip_step", "rollback"] = "off"
+    """What a loss spike (robust z-score of the step's loss against the last spike_window losses above spike_threshold) does: warn logs it; skip_step skips that optimizer step; rollback reloads the newest checkpoint before the step and skips the step's batches (needs checkpoint.enable). Costs one small all-reduce per step when on."""
+
+    spike_window: int = 50
+    """Number of recent accepted losses the spike detector compares each step's loss with (median and MAD)."""
+
+    spike_threshold: float = 6.0
+    """Robust z-score above which a step's loss is a spike: (loss - median) / (1.4826 x MAD)."""
+
+    spike_warmup: int = 20
+    """Steps whose losses are only collected, never scored (the loss falls fast early in training)."""
+
+    max_consecutive_skips: int = 10
+    """Abort training after this many consecutive skipped steps (spike_policy or nonfinite_policy skip_step), or this many rollbacks for the same step; 0 never aborts. A skipped step whose weights are non-finite always aborts."""
+
 
 @dataclass
 class Parallelism:
