@@ -28,6 +28,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_monitor import MemoryMonitor
 from torchtitan.tools.peak_flops import datasheet_peak_flops, measure_matmul_peak_flops
 from torchtitan.tools.profiling import Profiling
+from torchtitan.tools.stragglers import StragglerFlag
 
 
 def build_rank_dataloader(
@@ -158,7 +159,12 @@ def build_metrics(
         pp_mesh=dims.get_mesh("pp") if pp_plan else None,
         pp_loss_rank=pp_plan.last_stage_pp_rank if pp_plan else 0,
         memory_monitor=memory,
-        cross_rank_view=m.enable_cross_rank_view,
+        cross_rank_view=m.enable_cross_rank_view or cfg.fault_tolerance.straggler_margin > 0,
+        stragglers=StragglerFlag(
+            cfg.fault_tolerance.straggler_margin, cfg.fault_tolerance.straggler_log_steps
+        )
+        if cfg.fault_tolerance.straggler_margin > 0
+        else None,
     )
     return processor, writers
 

@@ -310,6 +310,23 @@ class CheckpointManager:
         wanted = {"model"} if self.initial_load_model_only else COMPONENTS
         return self._load_from(path, wanted - set(self.exclude_from_loading))
 
+    def rollback(self, before: int) -> dict[str, int] | None:
+        """Load the newest valid resumable checkpoint of a step before ``before`` (after a loss
+        spike); returns its train state, or None when there is none."""
+        if self._pending is not None:
+            self._finish_pending()
+        found: list[Any] = [None]
+        if self.rank == 0:
+            for step in reversed([s for s in io.complete_steps(self.root) if s < before]):
+                path = io.step_dir(self.root, step)
+                if io.kind(path) != "export" and io.verify(path, self.verify_checksums) is None:
+                    found[0] = path
+                    break
+        dist.broadcast_object_list(found, src=0, group=self.pg)
+        if found[0] is None:
+            return None
+        return self._load_from(found[0], COMPONENTS - set(self.exclude_from_loading))
+
     def _find(self) -> io.Found | Exception | None:
         """Rank 0's search (docs/checkpoint.md, "Safety"); an error is returned, to be raised
         on every rank."""

@@ -97,9 +97,10 @@ class SafeFileSystemReader(FileSystemReader):
             raise UntrustedCheckpointError(
                 f"{path} holds a {type(metadata).__name__}, not DCP Metadata"
             )
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = getattr(self, "load_id", None)
         return metadata
 
 

@@ -143,7 +143,12 @@ class StepGuard:
             self.policy, "rolling back to the last checkpoint"
         )
         where = f"; its batch: {position}" if src == self.rank else ""
-        event = {"step": step, "rank": src, "score": score, "policy": self.policy}
+        event: dict[str, float | int | str] = {
+            "step": step,
+            "rank": src,
+            "score": score,
+            "policy": str(self.policy),
+        }
         self.events.append(event)
         logger.warning(
             f"loss spike at step {step} on rank {src}: robust z-score {score:.1f} > "

@@ -396,6 +396,21 @@ class Debug:
 
 
 @dataclass
+class FaultTolerance:
+    watchdog_timeout_seconds: float = 0.0
+    """When a training step runs longer than this, every rank writes the Python stacks of all its threads and the phase it waits in to <dump_folder>/<watchdog_folder>/ (with the NCCL flight recorder's trace on CUDA); must be shorter than comm.train_timeout_seconds. 0 turns the watchdog off. Armed from step 2 (step 1 includes warm-up)."""
+
+    watchdog_folder: str = "watchdog"
+    """Folder for the watchdog's dumps, relative to job.dump_folder."""
+
+    straggler_margin: float = 0.0
+    """Flag a rank whose step or data time exceeds the fastest rank's by more than this fraction (e.g. 0.5 = 50%), at straggler_log_steps consecutive log steps; 0 turns it off. Uses the cross-rank view (turned on with it)."""
+
+    straggler_log_steps: int = 3
+    """Consecutive log steps a rank must be slow before it is flagged as a straggler."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -412,3 +427,4 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

@@ -31,6 +31,7 @@ from torchtitan.preflight.validate_parallel import (
     validate_context_parallel,
     validate_tensor_parallel,
 )
+from torchtitan.preflight.validate_resilience import validate_resilience
 from torchtitan.tools.logging import logger
 
 
@@ -82,6 +83,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_speed_features(cfg)
     validate_observability(cfg)
     validate_checkpoint(cfg, world_size)
+    validate_resilience(cfg)
     _validate_model(cfg)
     _validate_training(cfg)
 
