@@ -34,8 +34,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from torchtitan.distributed.utils import device_type, local_tensor
+from torchtitan.distributed.utils import device_type
 from torchtitan.tools.logging import logger
 
 __all__ = ["SpikeDetector", "StepGuard", "TrainingAborted"]
@@ -84,10 +85,15 @@ def _collective_device() -> str:
     return "cpu" if "gloo" in backend or device_type() != "cuda" else "cuda"
 
 
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a (possibly sharded) DTensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def weights_finite(model_parts: Sequence[nn.Module]) -> bool:
     """Whether every parameter on every rank is finite (one all-reduce)."""
     ok = all(
-        bool(torch.isfinite(local_tensor(p.detach())).all())
+        bool(torch.isfinite(_shard(p.detach())).all())
         for part in model_parts
         for p in part.parameters()
     )
