@@ -60,6 +60,7 @@ from torchtitan.components.checkpoint_trust import (
     decode_state,
     encode_state,
 )
+from torchtitan.components.spikes import TrainingAborted, weights_finite
 from torchtitan.distributed.utils import device_type
 from torchtitan.tools.logging import logger
 from torchtitan.tools.torch_compat import DEFAULT_STAGER_SINGLE_USE
@@ -443,6 +444,8 @@ class CheckpointManager:
         preempted, pending_busy = self._agree()
         if self._pending is not None and not pending_busy:
             self._finish_pending()
+        if preempted or step % self.interval == 0 or step == self.total_steps:
+            self._refuse_nonfinite_weights(step)
         if step == self.total_steps and self.last_save_model_only:
             self.save(step, tokens_seen, blocking=True, kind="export")
             return preempted
@@ -453,6 +456,16 @@ class CheckpointManager:
         if step % self.interval == 0 or step == self.total_steps:
             self.save(step, tokens_seen, blocking=step == self.total_steps)
         return False
+
+    def _refuse_nonfinite_weights(self, step: int) -> None:
+        """A checkpoint of NaN/inf weights would be resumed from and spread: abort instead
+        (one pass over the parameters and one all-reduce, at save steps only)."""
+        if not weights_finite(self.model_parts):
+            raise TrainingAborted(
+                f"step {step}: the model's weights are non-finite; not saving them as a "
+                f"checkpoint (the newest good one in {self.root} stays the resume point). "
+                "Lower the learning rate and resume"
+            )
 
     def _agree(self) -> tuple[bool, bool]:
         """(any rank got a preemption signal, any rank's background save still running): the

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed.utils import device_type
 from torchtitan.tools.logging import logger
 
-__all__ = ["SpikeDetector", "StepGuard", "TrainingAborted"]
+__all__ = ["SpikeDetector", "StepGuard", "TrainingAborted", "weights_finite"]
 
 SpikePolicy = Literal["off", "warn", "skip_step", "rollback"]
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
