@@ -137,3 +137,12 @@ def test_document_shuffle_keeps_documents_whole(corpus: TokenCorpus) -> None:
     bos = build_tokenizer(TOKENIZER).bos_id
     for t, d in zip(tokens[:50], ids[:50]):
         assert d[0] == 0 and np.array_equal(np.diff(d) == 1, t[1:] == bos)
+
+
+def test_one_pass_for_validation(corpus: TokenCorpus) -> None:
+    """infinite=False (validation) gives the whole rounds of one pass, the same on every rank."""
+    per_epoch = corpus.num_tokens // (SEQ + 1)
+    counts = [sum(1 for _ in TokenizedDataset(corpus, SEQ, r, 3, infinite=False)) for r in range(3)]
+    assert counts == [per_epoch // 3] * 3
+    ds = TokenizedDataset(corpus, SEQ, infinite=False)
+    assert sum(1 for _ in ds) == per_epoch and ds.state_dict() == {"windows": per_epoch}

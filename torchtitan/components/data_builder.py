@@ -1,11 +1,15 @@
-"""One data loader for any ``training.dataset``: text, ``tokenized`` or ``mixture``
-(docs/data.md). Text datasets go to ``dataloader.build_dataloader`` unchanged."""
+"""One data loader for any ``training.dataset``: text, ``tokenized``, ``mixture`` or another
+kind registered in ``DATASET_KINDS`` (docs/data.md). Text datasets go to
+``dataloader.build_dataloader`` unchanged."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from torch.utils.data import IterableDataset
 
 from torchtitan.components.dataloader import (
     PackedTokenDataset,
@@ -19,7 +23,14 @@ from torchtitan.components.tokenized_dataset import Shuffle, TokenizedDataset, W
 from torchtitan.components.tokenizer import Tokenizer, resolve_repo_path
 from torchtitan.config.job_config import MixtureSource
 
-__all__ = ["DataOptions", "build_data_loader", "is_token_corpus", "source_label"]
+__all__ = [
+    "DATASET_KINDS",
+    "DataOptions",
+    "LoaderRequest",
+    "build_data_loader",
+    "is_token_corpus",
+    "source_label",
+]
 
 
 @dataclass
@@ -62,6 +73,58 @@ def _mixture_source(
     return TextSource(name, packed, tokenizer.eos_id)
 
 
+@dataclass(frozen=True)
+class LoaderRequest:
+    """What a kind of dataset is built from: one data-parallel rank's view of the config."""
+
+    dataset: str
+    dataset_path: str | None
+    tokenizer: Tokenizer
+    seq_len: int
+    dp_rank: int
+    dp_world_size: int
+    split: str
+    infinite: bool
+    with_doc_ids: bool
+    options: DataOptions
+
+
+def _tokenized(req: LoaderRequest) -> TokenizedDataset:
+    if not req.dataset_path:
+        raise ValueError('dataset "tokenized" needs dataset_path (a pretokenized corpus)')
+    return TokenizedDataset(
+        TokenCorpus(resolve_repo_path(req.dataset_path), req.tokenizer),
+        req.seq_len,
+        req.dp_rank,
+        req.dp_world_size,
+        shuffle=req.options.shuffle,
+        seed=req.options.seed,
+        infinite=req.infinite,
+        with_doc_ids=req.with_doc_ids,
+        name=req.dataset_path,
+    )
+
+
+def _mixture(req: LoaderRequest) -> MixtureDataset:
+    opts = req.options
+    return MixtureDataset(
+        [_mixture_source(s, req.tokenizer, req.seq_len, opts) for s in opts.mixture],
+        [s.weight for s in opts.mixture],
+        req.seq_len,
+        req.dp_rank,
+        req.dp_world_size,
+        with_doc_ids=req.with_doc_ids,
+    )
+
+
+# ``training.dataset`` values that are not text datasets -> the dataset of one rank. A new kind
+# of data (e.g. chat conversations) registers its builder here (docs/data.md).
+DATASET_KINDS: dict[str, Callable[[LoaderRequest], IterableDataset]] = {
+    "tokenized": _tokenized,
+    "mixture": _mixture,
+}
+
+
 def build_data_loader(
     dataset: str,
     dataset_path: str | None,
@@ -76,45 +139,25 @@ def build_data_loader(
     with_doc_ids: bool = False,
     options: DataOptions | None = None,
 ) -> ParallelAwareDataloader:
-    """The loader of ``(inputs, labels[, doc_ids])`` batches of this data-parallel rank."""
-    opts = options or DataOptions()
-    if dataset == "tokenized":
-        if not dataset_path:
-            raise ValueError('dataset "tokenized" needs dataset_path (a pretokenized corpus)')
-        corpus = TokenCorpus(resolve_repo_path(dataset_path), tokenizer)
-        data: TokenizedDataset | MixtureDataset = TokenizedDataset(
-            corpus,
-            seq_len,
-            dp_rank,
-            dp_world_size,
-            shuffle=opts.shuffle,
-            seed=opts.seed,
-            infinite=infinite,
-            with_doc_ids=with_doc_ids,
-            name=dataset_path,
-        )
-    elif dataset == "mixture":
-        sources = [_mixture_source(s, tokenizer, seq_len, opts) for s in opts.mixture]
-        data = MixtureDataset(
-            sources,
-            [s.weight for s in opts.mixture],
-            seq_len,
-            dp_rank,
-            dp_world_size,
-            with_doc_ids=with_doc_ids,
-        )
-    else:
-        return build_dataloader(
-            dataset,
-            dataset_path,
-            tokenizer,
-            seq_len,
-            local_batch_size,
-            dp_rank,
-            dp_world_size,
-            split=split,
-            infinite=infinite,
-            sharding=sharding,
-            with_doc_ids=with_doc_ids,
-        )
-    return ParallelAwareDataloader(data, dp_rank, dp_world_size, batch_size=local_batch_size)
+    """The loader of ``(inputs, labels[, doc_ids])`` batches of this data-parallel rank: a kind
+    of ``DATASET_KINDS``, else a text dataset (``dataloader.build_dataloader``)."""
+    if dataset in DATASET_KINDS:
+        req = LoaderRequest(
+            dataset, dataset_path, tokenizer, seq_len, dp_rank, dp_world_size, split,
+            infinite, with_doc_ids, options or DataOptions(),
+        )  # fmt: skip
+        data = DATASET_KINDS[dataset](req)
+        return ParallelAwareDataloader(data, dp_rank, dp_world_size, batch_size=local_batch_size)
+    return build_dataloader(
+        dataset,
+        dataset_path,
+        tokenizer,
+        seq_len,
+        local_batch_size,
+        dp_rank,
+        dp_world_size,
+        split=split,
+        infinite=infinite,
+        sharding=sharding,
+        with_doc_ids=with_doc_ids,
+    )
