@@ -100,3 +100,17 @@ def test_script_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         + ["--out", str(tmp_path / "o"), "--no-progress"]
     )
     assert rc == 0 and "10 documents in 1 shard(s) of uint16; verified" in capsys.readouterr().out
+
+
+def test_another_input_redoes_the_shards(tmp_path: Path) -> None:
+    """Markers of another input (same folder, same tokenizer) are not taken as done."""
+    a = split_jsonl(CORPUS / "validation.jsonl", tmp_path / "a", parts=1, lines=10)
+    b = split_jsonl(CORPUS / "train.jsonl", tmp_path / "b", parts=1, lines=12)
+    out = make_corpus(tmp_path / "tok", "json", str(a))
+    assert json.loads((out / MANIFEST).read_text())["total_documents"] == 10
+    make_corpus(out, "json", str(b))
+    assert json.loads((out / MANIFEST).read_text())["total_documents"] == 12
+    c = split_jsonl(CORPUS / "train.jsonl", tmp_path / "c", parts=2, lines=12)
+    two = make_corpus(tmp_path / "tok2", "json", str(c))  # 2 shards
+    with pytest.raises(ValueError, match="shards of another input"):
+        make_corpus(two, "json", str(a))  # 1 file: shard 1 would be left over

@@ -98,6 +98,7 @@ def _write_shard(job: PretokenizeJob, index: int, num_shards: int, queue: Any) -
         "documents": len(starts) - 1,
         "sha256": _sha256(bin_path),
         "tokenizer_sha256": tokenizer_identity(tokenizer)["sha256"],
+        "source": _source(job, num_shards),
     }
     done_path.write_text(json.dumps(marker))
     return marker
@@ -129,11 +130,23 @@ def verify_shard(folder: Path, index: int, tokenizer: Tokenizer) -> dict[str, An
     return marker
 
 
-def _is_done(folder: Path, index: int, tokenizer_sha: str) -> bool:
-    bin_path, idx_path, done_path = shard_files(folder, index)
+def _source(job: PretokenizeJob, num_shards: int) -> dict[str, Any]:
+    return {
+        "dataset": job.dataset,
+        "dataset_path": job.dataset_path,
+        "split": job.split,
+        "num_shards": num_shards,
+    }
+
+
+def _is_done(job: PretokenizeJob, index: int, num_shards: int, tokenizer_sha: str) -> bool:
+    """Whether shard ``index`` was finished by a run of the same job (input and tokenizer)."""
+    bin_path, idx_path, done_path = shard_files(Path(job.out_dir), index)
     if not (done_path.is_file() and bin_path.is_file() and idx_path.is_file()):
         return False
-    return json.loads(done_path.read_text()).get("tokenizer_sha256") == tokenizer_sha
+    marker = json.loads(done_path.read_text())
+    same_source = marker.get("source") == _source(job, num_shards)
+    return same_source and marker.get("tokenizer_sha256") == tokenizer_sha
 
 
 class _Progress:
@@ -187,14 +200,20 @@ def pretokenize(job: PretokenizeJob, show_progress: bool = True) -> dict[str, An
     ident = tokenizer_identity(tokenizer)
     data, _ = load_text_dataset(job.dataset, job.dataset_path, job.split)
     num_shards = max(int(data.num_shards), 1)
-    todo = [k for k in range(num_shards) if not _is_done(out, k, ident["sha256"])]
+    todo = [k for k in range(num_shards) if not _is_done(job, k, num_shards, ident["sha256"])]
+    stale = [p for p in out.glob("shard_*.done") if int(p.stem.split("_")[1]) >= num_shards]
+    if stale:
+        raise ValueError(
+            f"{out} holds shards of another input ({stale[0].name}: this input has "
+            f"{num_shards} files); write to an empty folder"
+        )
     if todo:
         (out / MANIFEST).unlink(missing_ok=True)
     _run(job, todo, num_shards, show_progress)
     shards = [verify_shard(out, k, tokenizer) for k in range(num_shards)]
     manifest = {
         "format": FORMAT,
-        "source": {"dataset": job.dataset, "dataset_path": job.dataset_path, "split": job.split},
+        "source": _source(job, num_shards),
         "tokenizer": ident,
         "dtype": token_dtype(tokenizer.vocab_size).name,
         "total_tokens": sum(s["tokens"] for s in shards),

@@ -91,7 +91,7 @@ class WindowOrder:
         """(document order, their start offsets, cumulative lengths) of an epoch, cached."""
         if self._epoch_cache is None or self._epoch_cache[0] != epoch:
             bounds = self.corpus.doc_bounds()
-            order = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(
+            order = np.random.Generator(np.random.PCG64([self.seed & _M64, epoch])).permutation(
                 len(bounds) - 1
             )
             lengths = np.diff(bounds)[order]
