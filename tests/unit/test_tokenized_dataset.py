@@ -146,3 +146,37 @@ def test_one_pass_for_validation(corpus: TokenCorpus) -> None:
     assert counts == [per_epoch // 3] * 3
     ds = TokenizedDataset(corpus, SEQ, infinite=False)
     assert sum(1 for _ in ds) == per_epoch and ds.state_dict() == {"windows": per_epoch}
+
+
+def test_validation_loader_matches_the_text_path(folder: Path) -> None:
+    """validation.dataset = "tokenized": the same batches as the text validation loader, at
+    rank 1 of 2, to the end of the one pass."""
+    tok = build_tokenizer(TOKENIZER)
+    text = build_dataloader(
+        "test_corpus", None, tok, SEQ, 4, 1, 2, split="validation", infinite=False
+    )
+    ours = build_data_loader(
+        "tokenized", str(folder), tok, SEQ, 4, 1, 2, split="validation", infinite=False
+    )
+    a, b = list(text), list(ours)
+    assert len(a) == len(b) > 100
+    assert all(torch.equal(x, y) for s, t in zip(a, b) for x, y in zip(s, t))
+
+
+def test_uint32_corpus(folder: Path, tmp_path: Path) -> None:
+    """A corpus stored as uint32 (vocabularies over 65,536) reads the same tokens."""
+    import json
+    import shutil
+
+    wide = tmp_path / "wide"
+    shutil.copytree(folder, wide)
+    bin_path = wide / "shard_00000.bin"
+    np.fromfile(bin_path, np.uint16).astype(np.uint32).tofile(bin_path)
+    manifest = json.loads((wide / "manifest.json").read_text())
+    manifest["dtype"] = "uint32"
+    (wide / "manifest.json").write_text(json.dumps(manifest))
+    narrow, wide_c = TokenCorpus(folder), TokenCorpus(wide)
+    n = narrow.num_tokens
+    assert wide_c.dtype == np.uint32 and wide_c.num_tokens == n
+    for x, y in zip(narrow.read(n - 100, 300), wide_c.read(n - 100, 300)):
+        assert np.array_equal(x, y)
