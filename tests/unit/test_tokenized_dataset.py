@@ -88,6 +88,8 @@ def test_global_batch_and_resume_at_any_dp(folder: Path) -> None:
     # Save at dp 2 after 3 steps, resume at dp 4 and at dp 1: the data position is kept.
     _, loaders = _global_batches(folder, 2, 3)
     state = loaders[1].state_dict()
+    # the whole data state is the global position: steps x global batch, the same on every rank
+    assert [ld.dataset.state_dict() for ld in loaders] == [{"windows": 3 * 8}] * 2
     for dp in (4, 1):
         resumed, _ = _global_batches(folder, dp, 3, state=state)
         assert all(torch.equal(x, y) for a, b in zip(ref[3:], resumed) for x, y in zip(a, b)), dp
