@@ -85,6 +85,10 @@ def test_tokenized_dataset_validates(tmp_path: Path, corpus: Path) -> None:
         ('dataset = "tokenized"\ndataset_path = "{corpus}"\ndata_sharding = "document"\n',
          "training.data_sharding", "only applies to text datasets"),
         ('[[training.mixture]]\npathh = "x"\n', "training.mixture[0].pathh", "is not a key"),
+        ('dataset = "mixture"\n[[training.mixture]]\npath = "{corpus}"\nweight = inf\n',
+         "training.mixture[0].weight", "finite"),
+        ('[validation]\nenable = true\ndataset = "mixture"\n', "validation.dataset",
+         "cannot be a mixture"),
     ],
 )  # fmt: skip
 def test_bad_data_options_fail_clearly(
