@@ -12,7 +12,8 @@ from torch import nn
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_safety import resume_settings
-from torchtitan.components.dataloader import ParallelAwareDataloader, build_dataloader
+from torchtitan.components.data_builder import DataOptions, build_data_loader
+from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.metrics_writers import MetricWriter, build_writers
 from torchtitan.components.tokenizer import Tokenizer
@@ -42,7 +43,8 @@ def build_rank_dataloader(
 ) -> ParallelAwareDataloader:
     """A loader sharded by this rank's data-parallel coordinate only (TP/CP/PP peers share)."""
     t, dp_mesh = cfg.training, dims.get_mesh("dp")
-    return build_dataloader(
+    options = DataOptions(t.tokenized_shuffle, cfg.debug.seed, t.mixture, t.mixture_exhausted)
+    return build_data_loader(
         dataset=dataset,
         dataset_path=dataset_path,
         tokenizer=tokenizer,
@@ -54,6 +56,7 @@ def build_rank_dataloader(
         infinite=infinite,
         sharding=t.data_sharding,
         with_doc_ids=cfg.model.attn_mask_type == "block_causal",
+        options=options,
     )
 
 

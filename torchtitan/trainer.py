@@ -228,6 +228,8 @@ class Trainer:
         self.metrics, writers = build_metrics(
             cfg, self.parallel_dims, self.pp_plan, self.device, self.rank, flops, peak
         )
+        # A mixture reports the tokens each source has given (docs/data.md).
+        self.metrics.data_fields = getattr(self.dataloader.dataset, "metrics_fields", None)
         self.nonfinite = NonFiniteGuard(
             cfg.training.nonfinite_policy, rank=self.rank, stage_ids=self.pp_stage_ids or None
         )

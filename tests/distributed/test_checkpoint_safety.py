@@ -4,6 +4,8 @@ One forked rank trains 4 steps (checkpoints at 2 and 4), then, each time with a 
 group, tries what must be refused:
 
 - ``load_step 2`` with step-4 present: refused, step-4 untouched (docs/checkpoint.md, "Safety");
+  the documented branch (a new folder, ``initial_load_path`` step-2, everything loaded)
+  reproduces step-4 bitwise;
 - a resume with a changed learning rate and seed: trains on, the warning names both fields;
 - a copy whose ``.metadata`` is a crafted pickle, as the resume folder and as
   ``initial_load_path``: refused, the pickle's command never runs ("Trust model");
@@ -17,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tests.checkpoint_helpers import ckpt_argv
+from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML
 from tests.unit.test_checkpoint_trust import craft_metadata
@@ -51,6 +53,17 @@ def _scenario(tmp: str) -> dict[str, Any]:
 
     out["load_step_2"] = _main(dump, *argv, "--checkpoint.load_step", "2")
     out["step4_kept"] = (ckpt / "step-4" / "manifest.json").read_bytes() == step4
+    # The documented way to branch from step 2: a new folder, everything loaded from step-2.
+    out["branch"] = _main(
+        root / "branch",
+        *argv,
+        "--checkpoint.initial_load_path",
+        str(ckpt / "step-2"),
+        "--checkpoint.no-initial_load_model_only",
+    )
+    branched = root / "branch" / "checkpoint"
+    out["branch_steps"] = sorted(p.name for p in branched.iterdir())
+    out["branch_entries"] = assert_checkpoints_identical(ckpt / "step-4", branched / "step-4")
 
     # Resume (nothing left to train) with settings the restored state overrides.
     records: list[str] = []
@@ -89,6 +102,9 @@ def test_trainer_refuses_unsafe_resumes_and_crafted_checkpoints(tmp_path: Path) 
     assert "CheckpointSafetyError" in out["load_step_2"], out["load_step_2"]
     assert "newer checkpoints (step-4)" in out["load_step_2"]
     assert "initial_load_path" in out["load_step_2"] and out["step4_kept"]
+    # The branch continued from step 2 and reproduced the original step 4 bit for bit.
+    assert out["branch"] == "ok", out["branch"]
+    assert out["branch_steps"] == ["step-4"] and out["branch_entries"] > 0
     assert out["changed"] == "ok", out["changed"]
     (warning,) = out["ignored_warning"]
     assert "optimizer.lr = 0.5" in warning and "debug.seed = 11" in warning, warning

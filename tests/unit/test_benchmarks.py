@@ -197,3 +197,19 @@ def test_matmul_peak_in_cpu_time() -> None:
     assert 1e8 < cpu < 1e14 and 1e8 < wall < 1e14
     # Separate runs of 5 matmuls each: allow 30% for the clock granularity and noise.
     assert cpu > 0.7 * wall, (cpu, wall)
+
+
+@pytest.mark.slow
+def test_dataloader_benchmark(tmp_path: Path) -> None:
+    """benchmarks/dataloader.py on a small synthetic corpus: every documented row, tokenized
+    loading faster than the text path at dp 8, and rank 1023 of 1024 starting in under a second."""
+    args = ["--corpus-gib", "0.02", "--seq-len", "128", "--batches", "3", "--tmp", str(tmp_path)]
+    rows = _run("dataloader.py", args)
+    kinds = [r["bench"] for r in rows]
+    assert kinds.count("throughput") == 4 and kinds.count("startup") == 12
+    assert kinds.count("synthetic_corpus") == 1 and kinds.count("text_far_rank") == 1
+    tput = {(r["loader"], r["dp"]): r["tokens_per_s_per_rank"] for r in rows if "loader" in r}
+    assert tput[("tokenized", 8)] > tput[("text", 8)] > 0
+    far = [r for r in rows if r["bench"] == "startup" and r["rank"] == 1023]
+    assert len(far) == 6 and all(r["build_s"] + r["first_batch_s"] < 1.0 for r in far)
+    assert list(tmp_path.iterdir()) == []  # the synthetic corpus is removed

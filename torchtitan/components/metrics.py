@@ -9,6 +9,7 @@ over the data-parallel (and CP) ranks in one all-reduce and moved to the host.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -107,6 +108,8 @@ class MetricsProcessor:
         self.cross_rank_view = cross_rank_view
         self.data_time = 0.0  # seconds waiting for batches since the last log (add_data_time)
         self.skipped_steps = 0  # optimizer steps skipped for non-finite values (set by trainer)
+        # Extra scalars of the data, e.g. a mixture's tokens per source (set by the trainer).
+        self.data_fields: Callable[[], dict[str, int]] | None = None
         self._steps_since_log = 0
         self.loss = LossTracker(device)
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
@@ -178,6 +181,8 @@ class MetricsProcessor:
         metrics.update(mem.as_dict(prefix="memory/"))
         obs, obs_txt = self.observability_fields(step_time, mem.peak_gib)
         metrics.update(obs)
+        if self.data_fields is not None:
+            metrics.update(self.data_fields())
         mfu_txt = f"  mfu {mfu:5.2f}%" if mfu is not None else ""
         if mem.device_type == "cuda":
             mem_txt = (

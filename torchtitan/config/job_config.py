@@ -48,9 +48,21 @@ class Model:
 
 
 @dataclass
+class MixtureSource:
+    path: str = ""
+    """A corpus folder written by scripts/pretokenize.py (it holds manifest.json), or local text files (a JSONL/parquet/text file or folder)."""
+
+    dataset: str = ""
+    """A text dataset name as training.dataset (registered or hub), with path as its dataset_path; empty with a corpus folder."""
+
+    weight: float = 1.0
+    """Relative share of this source's windows in the mixture (> 0; weights are normalised)."""
+
+
+@dataclass
 class Training:
     dataset: str = "test_corpus"
-    """Dataset name: ``test_corpus`` (shipped), ``json``/``parquet``/``text`` with dataset_path, or a hub name."""
+    """Dataset name: ``test_corpus`` (shipped), ``json``/``parquet``/``text`` with dataset_path, a hub name, ``tokenized`` (dataset_path is a corpus folder of scripts/pretokenize.py) or ``mixture`` (training.mixture)."""
 
     dataset_path: str | None = None
     """Local file or folder for the dataset; overrides the registered default path."""
@@ -87,6 +99,15 @@ class Training:
 
     nonfinite_policy: Literal["raise", "skip_step"] = "raise"
     """What a NaN/inf loss or gradient norm does (it is reported with the step, the rank and the first parameter with a non-finite gradient): raise stops training; skip_step skips that optimizer step (the LR schedule still advances) and counts it."""
+
+    tokenized_shuffle: Literal["none", "windows", "documents"] = "none"
+    """Order of the windows of pre-tokenized data (dataset = "tokenized" and tokenized mixture sources): none (the corpus in order, as the text path), windows (a seeded permutation of each epoch's windows) or documents (documents in a seeded order, new each epoch, then cut into windows); seeded by debug.seed. See docs/data.md."""
+
+    mixture: list[MixtureSource] = field(default_factory=list)
+    """With dataset = "mixture": the sources, as [[training.mixture]] tables of path / dataset / weight (TOML only); windows are interleaved deterministically by weight. See docs/data.md."""
+
+    mixture_exhausted: Literal["wrap", "error"] = "wrap"
+    """What a mixture source that has given all its windows does: wrap (starts its next epoch, logged) or error (training stops with an error naming the source)."""
 
     spike_policy: Literal["off", "warn", "skip_step", "rollback"] = "off"
     """What a loss spike (robust z-score of the step's loss against the last spike_window losses above spike_threshold) does: warn logs it; skip_step skips that optimizer step; rollback reloads the newest checkpoint before the step and skips the step's batches (needs checkpoint.enable). Costs one small all-reduce per step when on."""

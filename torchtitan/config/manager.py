@@ -79,6 +79,8 @@ def type_name(tp: Any) -> str:
     inner, optional = _strip_optional(tp)
     if get_origin(inner) is Literal:
         name = " | ".join(repr(a) for a in get_args(inner))
+    elif get_origin(inner) is list and _is_dataclass_type(get_args(inner)[0]):
+        name = f"list[{get_args(inner)[0].__name__}] ([[section.field]] tables)"
     elif get_origin(inner) is list:
         name = f"list[{get_args(inner)[0].__name__}] (comma-separated)"
     else:
@@ -136,6 +138,8 @@ def _convert(path: str, raw: Any, tp: Any, from_cli: bool) -> Any:
         raise bad("must be a string")
     if get_origin(inner) is list:
         (elem,) = get_args(inner)
+        if _is_dataclass_type(elem):
+            return _convert_tables(path, raw, elem, from_cli)
         if from_cli and isinstance(raw, str):
             items: list[Any] = [s.strip() for s in raw.split(",") if s.strip()]
         elif isinstance(raw, list):
@@ -144,6 +148,22 @@ def _convert(path: str, raw: Any, tp: Any, from_cli: bool) -> Any:
             raise bad("must be a list")
         return [_convert(f"{path}[{i}]", v, elem, from_cli) for i, v in enumerate(items)]
     raise TypeError(f"unsupported config annotation {tp!r} at {path}")  # internal invariant
+
+
+def _convert_tables(path: str, raw: Any, elem: type, from_cli: bool) -> list[Any]:
+    """A TOML array of tables (``[[training.mixture]]``) as a list of ``elem`` dataclasses."""
+    if from_cli:
+        raise ConfigError(
+            path, raw, "is a list of tables", f"write [[{path}]] tables in the TOML file"
+        )
+    if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
+        raise ConfigError(path, raw, "must be a list of tables", f"write [[{path}]] tables")
+    items = []
+    for i, table in enumerate(raw):
+        obj = elem()
+        _apply_mapping(obj, table, f"{path}[{i}]")
+        items.append(obj)
+    return items
 
 
 def _unknown_key(section_path: str, key: str, cls: type) -> ConfigError:
@@ -312,7 +332,10 @@ def to_toml(cfg: Any, prefix: str = "") -> str:
     scalars, tables = [], []
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
+        if isinstance(v, list) and v and dataclasses.is_dataclass(v[0]):
+            name = f"{prefix}.{f.name}" if prefix else f.name
+            tables += [f"[[{name}]]\n" + to_toml(item) for item in v]
+        elif dataclasses.is_dataclass(v):
             tables.append(to_toml(v, f"{prefix}.{f.name}" if prefix else f.name))
         elif v is None:
             scalars.append(f"# {f.name} = (unset)")
