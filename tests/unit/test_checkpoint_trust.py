@@ -11,6 +11,7 @@ import pickle
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -56,6 +57,7 @@ def test_state_codec_round_trips_rng_and_nested_state() -> None:
         "raw": b"\x00\xff",
         "nested": {1: [1.5, None, True], "s": ("a", 2)},
         "empty": torch.empty(0, dtype=torch.int64),
+        "np": (np.int64(7), np.arange(6, dtype=np.uint32).reshape(2, 3)),
     }
     back = decode_state(encode_state(state))
     assert back["python"] == state["python"]  # tuples stay tuples: random.setstate accepts it
@@ -63,6 +65,9 @@ def test_state_codec_round_trips_rng_and_nested_state() -> None:
     assert torch.equal(back["torch"], state["torch"]) and back["torch"].dtype == torch.uint8
     assert back["raw"] == b"\x00\xff" and back["nested"] == {1: [1.5, None, True], "s": ("a", 2)}
     assert back["empty"].shape == (0,) and back["empty"].dtype == torch.int64
+    assert back["np"][0] == 7 and isinstance(back["np"][0], int)
+    assert isinstance(back["np"][1], np.ndarray) and back["np"][1].dtype == np.uint32
+    assert (back["np"][1] == state["np"][1]).all()
     assert encode_state(state).dtype == torch.uint8
     with pytest.raises(TypeError, match="cannot store a object"):
         encode_state({"x": object()})

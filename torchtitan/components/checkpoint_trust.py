@@ -26,6 +26,7 @@ import pathlib
 import pickle
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -146,6 +147,10 @@ def _to_json(obj: Any) -> Any:
         }
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if isinstance(obj, np.generic):  # numpy scalars: their Python value
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": _to_json(torch.from_numpy(np.ascontiguousarray(obj)))}
     raise TypeError(f"cannot store a {type(obj).__name__} in a checkpoint as JSON")
 
 
@@ -158,6 +163,8 @@ def _from_json(obj: Any) -> Any:
         return {_from_json(k): _from_json(v) for k, v in obj["__items__"]}
     if "__tuple__" in obj:
         return tuple(_from_json(v) for v in obj["__tuple__"])
+    if "__ndarray__" in obj:
+        return _from_json(obj["__ndarray__"]).numpy()
     if "__bytes__" in obj:
         return base64.b64decode(obj["__bytes__"])
     if "__tensor__" in obj:
