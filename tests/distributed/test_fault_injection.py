@@ -7,7 +7,8 @@ tiny debug model, 2 gloo ranks.
   collective timeout;
 - a rank slowed by a sleep before each batch: flagged as a straggler within 3 log steps;
 - a loss spike on one rank: skip_step leaves the weights of that step unchanged on both ranks,
-  warn changes them, rollback reloads step 3 and trains on.
+  rollback reloads step 3 and trains on;
+- a diverging learning rate under nonfinite_policy skip_step aborts, with no NaN checkpoint.
 """
 
 from __future__ import annotations
@@ -55,7 +56,9 @@ def _model(folder: Path) -> dict[str, Any]:
     return {k: v for k, v in read_checkpoint(folder).items() if k.startswith("model.")}
 
 
-@pytest.mark.parametrize("policy", ["skip_step", "warn"])
+# warn (weights change, as they must) is covered by tests/unit/test_resilience.py; one
+# parameter keeps this tier small.
+@pytest.mark.parametrize("policy", ["skip_step"])
 def test_spike_on_one_rank_triggers_the_policy_on_both(policy: str, tmp_path: Path) -> None:
     argv = [
         *ckpt_argv(*FSDP2, steps=5, interval=1),
