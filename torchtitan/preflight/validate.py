@@ -21,6 +21,7 @@ from torchtitan.distributed.pipeline_plan import (
 )
 from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS
+from torchtitan.preflight.validate_chat import validate_chat
 from torchtitan.preflight.validate_features import (
     validate_attention,
     validate_checkpoint,
@@ -84,6 +85,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_checkpoint(cfg, world_size)
     _validate_model(cfg)
     _validate_training(cfg)
+    validate_chat(cfg)
 
     p = cfg.parallelism
     dims = ParallelDims.from_config(p, world_size)
