@@ -4,12 +4,15 @@ microbatches hold very different numbers of trained tokens (docs/sft.md)."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
 from tests.distributed.parity_cases import assert_grad_norms_match
+from tests.launcher import run_ranks
 from tests.parity import ROOT, assert_losses_match, losses, train_metrics
 from torchtitan.components.chat_data import ChatDataset
 from torchtitan.components.loss import IGNORE_INDEX
@@ -80,3 +83,22 @@ def test_sft_pp2_microbatches_match(reference: list[dict], tmp_path: Path) -> No
         "4",
     ]
     _compare(reference, overrides, 2, tmp_path, "SFT PP 2 (4 microbatches)")
+
+
+@pytest.mark.slow
+def test_sft_resume_is_bitwise(tmp_path: Path) -> None:
+    """FSDP 2, packed conversations under block_causal: 6 steps straight equal 3 steps, a
+    restart from the step-3 checkpoint and 3 more steps (losses, grad norms, checkpoint)."""
+    packed = [*CHAT, "--sft.packing", "pack", "--model.attn_mask_type", "block_causal"]
+    argv = ckpt_argv(*packed, "--training.local_batch_size", "4")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    ref = run_ranks(train_with_faults, 2, argv, str(straight), timeout=600)[0]
+    shutil.copytree(straight / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
+    got = run_ranks(train_with_faults, 2, argv, str(resumed), timeout=600)[0]
+    assert [m["step"] for m in got] == [4, 5, 6]
+    assert losses(got) == losses(ref)[3:], (losses(got), losses(ref))
+    assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in ref[3:]]
+    n = assert_checkpoints_identical(
+        straight / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6"
+    )
+    print(f"SFT FSDP 2: resume from step 3 == straight; {n} checkpoint entries identical")
