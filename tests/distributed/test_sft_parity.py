@@ -86,6 +86,16 @@ def test_sft_pp2_microbatches_match(reference: list[dict], tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "axis", ["context_parallel_degree", "tensor_parallel_degree"], ids=["cp2", "tp2"]
+)
+def test_sft_cp2_tp2_match(reference: list[dict], tmp_path: Path, axis: str) -> None:
+    """CP ranks hold uneven trained-token shares of each sequence; TP's loss parallel sums."""
+    overrides = ["--training.local_batch_size", "8", f"--parallelism.{axis}", "2"]
+    _compare(reference, overrides, 2, tmp_path, f"SFT {axis} 2")
+
+
+@pytest.mark.slow
 def test_sft_resume_is_bitwise(tmp_path: Path) -> None:
     """FSDP 2, packed conversations under block_causal: 6 steps straight equal 3 steps, a
     restart from the step-3 checkpoint and 3 more steps (losses, grad norms, checkpoint)."""
@@ -102,3 +112,30 @@ def test_sft_resume_is_bitwise(tmp_path: Path) -> None:
         straight / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6"
     )
     print(f"SFT FSDP 2: resume from step 3 == straight; {n} checkpoint entries identical")
+
+
+@pytest.mark.slow
+def test_sft_validation_loss_pp2_matches_single_process(tmp_path: Path) -> None:
+    """Validation on chat data counts only the trained tokens, under PP too."""
+    val = ["--validation.enable", "--validation.dataset", "chat", "--validation.freq", "2"]
+    val += ["--validation.dataset_path", str(ROOT / "tests/assets/chat/validation.jsonl")]
+    base = [*CHAT, *val, "--training.local_batch_size", "8"]
+    ref = train_metrics(base, 1, tmp_path / "ref", steps=2)
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--metrics.save_for_all_ranks"]
+    got = train_metrics([*base, *pp2], 2, tmp_path / "pp", steps=2)
+    rows = [[r for r in m if "validation/loss" in r] for m in (ref, got)]
+    trained = sum(
+        int((lab != IGNORE_INDEX).sum())
+        for _, lab in ChatDataset(
+            val[-1], build_tokenizer("tests/assets/tokenizer"), SEQ, packing="pad", infinite=False
+        )
+    )
+    # 40 conversations, 5 full batches of 8: every trained token of the split is counted
+    assert [r["validation/tokens"] for r in rows[0]] == [r["validation/tokens"] for r in rows[1]]
+    assert rows[0][0]["validation/tokens"] == trained
+    assert_losses_match(
+        [r["validation/loss"] for r in rows[0]],
+        [r["validation/loss"] for r in rows[1]],
+        rtol=1e-5,
+        label="SFT PP 2 validation loss",
+    )
