@@ -183,5 +183,11 @@ def test_preflight(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="validation.dataset_path"):
         _load("--training.dataset_path", str(TRAIN), "--validation.enable",
               "--validation.dataset", "chat")  # fmt: skip
+    with pytest.raises(ConfigError, match="is a directory"):
+        _load("--training.dataset_path", str(tmp_path))
+    with pytest.raises(ConfigError, match="training.data_sharding = 'document'"):
+        _load("--training.dataset_path", str(TRAIN), "--training.data_sharding", "document")
+    with pytest.raises(ConfigError, match="sft.packing = 'pad': applies only to a 'chat'"):
+        load_config(["--sft.packing", "pad"], world_size=1)
     with pytest.raises(ConfigError, match="no chat_template"):
         _load("--training.dataset_path", str(TRAIN), "--sft.chat_template", "tokenizer")

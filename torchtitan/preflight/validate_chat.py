@@ -4,11 +4,13 @@ with ``sft.overlong = "error"``, no conversation is longer than the sequence."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from torchtitan.components.chat_data import tokenized_conversations
 from torchtitan.components.chat_template import read_conversations, resolve_chat_template
 from torchtitan.components.tokenizer import build_tokenizer, resolve_repo_path
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.job_config import JobConfig
+from torchtitan.config.job_config import JobConfig, Sft
 from torchtitan.tools.logging import logger
 
 _FORMAT = (
@@ -26,6 +28,22 @@ def validate_chat(cfg: JobConfig) -> None:
     for section, name, path in sources:
         if name == "chat":
             _validate_source(cfg, f"{section}.dataset_path", path)
+    if not any(name == "chat" for _, name, _ in sources):
+        for f in dataclasses.fields(Sft):
+            if getattr(cfg.sft, f.name) != f.default:
+                raise ConfigError(
+                    f"sft.{f.name}",
+                    getattr(cfg.sft, f.name),
+                    "applies only to a 'chat' dataset, and none is used",
+                    "set training.dataset = 'chat' (docs/sft.md) or remove the option",
+                )
+    if t.dataset == "chat" and t.data_sharding != "window":
+        raise ConfigError(
+            "training.data_sharding",
+            t.data_sharding,
+            "the chat dataset always shares its rows like 'window' (row g to rank g % dp)",
+            "remove it or set it to 'window' (docs/sft.md)",
+        )
     if t.dataset == "chat" and cfg.sft.packing == "pack" and cfg.model.attn_mask_type == "causal":
         logger.warning(
             "sft.packing = 'pack' with model.attn_mask_type = 'causal': a conversation attends "
@@ -44,7 +62,9 @@ def _validate_source(cfg: JobConfig, field: str, path: str | None) -> None:
         raise ConfigError(
             field,
             path,
-            "does not exist (looked in the working directory and the repository root)",
+            "is a directory, not a file"
+            if file.is_dir()
+            else "does not exist (looked in the working directory and the repository root)",
             f"point it at {_FORMAT}",
         )
     s = cfg.sft
