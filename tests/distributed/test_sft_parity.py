@@ -66,6 +66,7 @@ def test_sft_fsdp2_matches_single_process(reference: list[dict], tmp_path: Path)
     _compare(reference, ["--training.local_batch_size", "4"], 2, tmp_path, "SFT FSDP 2")
 
 
+@pytest.mark.slow
 def test_sft_grad_accumulation_4_matches(reference: list[dict], tmp_path: Path) -> None:
     _compare(reference, ["--training.local_batch_size", "2"], 1, tmp_path, "SFT accum x4")
 
