@@ -402,6 +402,18 @@ class Debug:
 
 
 @dataclass
+class Sft:
+    packing: Literal["pack", "pad"] = "pack"
+    """With training.dataset = chat: pack conversations into each row of seq_len tokens (with model.attn_mask_type = block_causal they cannot attend to each other) or pad one conversation per row (docs/sft.md)."""
+
+    overlong: Literal["truncate", "drop", "error"] = "truncate"
+    """A conversation longer than training.seq_len + 1 tokens is truncated (dropped if no assistant token is left), dropped, or an error naming its file and line (checked before training)."""
+
+    chat_template: Literal["auto", "default", "tokenizer"] = "auto"
+    """How conversations are rendered: the tokenizer's own chat_template (Jinja) when it has one (auto) or always (tokenizer), else the documented default template of docs/sft.md (default)."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -418,3 +430,4 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
+    sft: Sft = field(default_factory=Sft)
