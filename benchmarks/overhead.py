@@ -113,14 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         sharding=t.data_sharding,
     )
     data = iter(loader)
-    loss_fn = trainer.loss_fn  # the same (possibly compiled) loss function
+    loss_fn = trainer.loss_fn  # the same (possibly compiled) loss function: a token sum
 
     def minimal_steps(n: int) -> None:
         for _ in range(n):
             inputs, labels = next(data)
             inputs, labels = inputs.to(device), labels.to(device)
             opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(inputs), labels)
+            loss = loss_fn(model(inputs), labels) / labels.numel()  # the mean, as the trainer's
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_norm)
             opt.step()

@@ -9,7 +9,9 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.components.chat_data import ChatDataset
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_safety import resume_settings
 from torchtitan.components.data_builder import DataOptions, build_data_loader
@@ -43,6 +45,8 @@ def build_rank_dataloader(
 ) -> ParallelAwareDataloader:
     """A loader sharded by this rank's data-parallel coordinate only (TP/CP/PP peers share)."""
     t, dp_mesh = cfg.training, dims.get_mesh("dp")
+    if dataset == "chat":  # chat SFT rows with prompt-masked labels (docs/sft.md)
+        return build_chat_dataloader(cfg, dataset_path, tokenizer, dp_mesh, infinite)
     options = DataOptions(t.tokenized_shuffle, cfg.debug.seed, t.mixture, t.mixture_exhausted)
     return build_data_loader(
         dataset=dataset,
@@ -58,6 +62,31 @@ def build_rank_dataloader(
         with_doc_ids=cfg.model.attn_mask_type == "block_causal",
         options=options,
     )
+
+
+def build_chat_dataloader(
+    cfg: JobConfig,
+    path: str | None,
+    tokenizer: Tokenizer,
+    dp_mesh: DeviceMesh,
+    infinite: bool,
+) -> ParallelAwareDataloader:
+    """The ``chat`` dataset's loader for this data-parallel rank (``[sft]`` options)."""
+    assert path is not None  # preflight requires a dataset_path for "chat"
+    rank, world = dp_mesh.get_local_rank(), dp_mesh.size()
+    chat = ChatDataset(
+        path,
+        tokenizer,
+        cfg.training.seq_len,
+        dp_rank=rank,
+        dp_world_size=world,
+        infinite=infinite,
+        packing=cfg.sft.packing,
+        overlong=cfg.sft.overlong,
+        template=cfg.sft.chat_template,
+        with_doc_ids=cfg.model.attn_mask_type == "block_causal",
+    )
+    return ParallelAwareDataloader(chat, rank, world, batch_size=cfg.training.local_batch_size)
 
 
 def build_meta_model(

@@ -28,7 +28,7 @@ from torchtitan.builders import (
     peak_flops,
 )
 from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.loss import cross_entropy_loss
+from torchtitan.components.loss import cross_entropy_sum, global_loss_scale, unmasked_tokens
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics_writers import MetricWriter
 from torchtitan.components.nonfinite import NonFiniteGuard
@@ -135,10 +135,13 @@ class Trainer:
         self.cp = self._build_context_parallel()
 
     def _build_loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """Cross-entropy, compiled (lazily, at its first call) when compile lists the loss."""
+        """Summed token cross-entropy, compiled (lazily, at its first call) when compile lists
+        the loss; the step's ``loss_scale`` makes it the global-batch mean (docs/sft.md)."""
         cfg = self.cfg
+        # Set by train_step before each step's forwards: a device scalar, no host sync.
+        self.loss_scale: torch.Tensor | float = 1.0
         if not cfg.compile.enable:
-            return cross_entropy_loss
+            return cross_entropy_sum
         # Ranks at different TP/CP coordinates compile different graphs: separate caches.
         dims, coords = self.parallel_dims, self.parallel_dims.coordinates()
         cache = set_compile_cache_dir(
@@ -150,8 +153,8 @@ class Trainer:
         )
         logger.info(f"compile cache: {cache}")
         if "loss" in cfg.compile.components:
-            return compile_loss(cross_entropy_loss, backend=cfg.compile.backend)
-        return cross_entropy_loss
+            return compile_loss(cross_entropy_sum, backend=cfg.compile.backend)
+        return cross_entropy_sum
 
     def _build_pipeline(self) -> Pipeline | None:
         if self.pp_plan is None:
@@ -332,18 +335,18 @@ class Trainer:
         """Summed token loss and token count of one validation batch, forward only (the
         Validator's hook). Under PP only the last stage has a loss: ``None`` elsewhere."""
         extra = self.model_inputs(doc_ids)
+        self.loss_scale = 1.0  # plain sums (the next train_step sets its own scale)
         with self.train_context(), self.sequence_share(inputs, labels, extra) as share:
             inputs, labels, extra = share
-            n = labels.numel()  # this rank's tokens (its share under CP)
+            n = int(unmasked_tokens([labels], None))  # this rank's tokens (its share under CP)
             if self.pipeline is not None:
-                # Forward-only run of the same schedule. pipeline_loss divides each microbatch's
-                # mean by microbatches x accumulation, so the sum times accumulation is the mean.
+                # Forward-only run of the same schedule: the sum of the microbatches' sums.
                 summed = self.pipeline.eval(inputs, labels, **extra)
                 if summed is None:
                     return None
-                return dist_utils.local_tensor(summed * self.grad_accum_steps) * n, n
+                return dist_utils.local_tensor(summed), n
             loss = self.loss_fn(self.model(inputs, **extra), labels)
-        return dist_utils.local_tensor(loss.detach()) * n, n
+        return dist_utils.local_tensor(loss.detach()), n
 
     def sequence_share(
         self, inputs: torch.Tensor, labels: torch.Tensor, extra: ModelInputs
@@ -377,8 +380,7 @@ class Trainer:
     def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Loss of one pipeline microbatch, scaled so the gradients sum to the global-batch mean."""
         assert self.pp_plan is not None
-        scale = self.pp_plan.n_microbatches * self.grad_accum_steps
-        return self.loss_fn(logits, labels) / scale
+        return self.loss_fn(logits, labels) * self.loss_scale
 
     def forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, extra: ModelInputs | None = None
@@ -400,12 +402,20 @@ class Trainer:
             inputs, labels, extra = share
             logits = self.model(inputs, **extra)
             # Scale so the accumulated gradient is the mean over the whole global batch.
-            loss = self.loss_fn(logits, labels) / self.grad_accum_steps
+            loss = self.loss_fn(logits, labels) * self.loss_scale
             loss = loss * self.faults.loss_factor(self.step)  # 1.0 unless a test injects a spike
             del logits
             loss.backward()
         # Under loss parallel the loss is a replicated DTensor: keep its (full) local value.
         return dist_utils.local_tensor(loss.detach())
+
+    def step_loss_scale(self, labels: list[torch.Tensor]) -> torch.Tensor:
+        """Global token normalisation (docs/sft.md): the ranks averaging gradients and logged
+        losses (data x context parallel) over the unmasked tokens of the global batch (these
+        microbatches, whole sequences, summed over the data-parallel ranks)."""
+        dims = self.parallel_dims
+        tokens = unmasked_tokens(labels, dims.get_mesh("dp") if dims.dp_degree > 1 else None)
+        return global_loss_scale(tokens, dims.get_mesh("dp_cp").size())
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over ``grad_accum_steps`` microbatches; returns (loss, grad norm)."""
@@ -413,8 +423,9 @@ class Trainer:
         step_loss = torch.zeros((), device=self.device)
         for _ in range(self.step_guard.batches_to_skip(self.step)):
             self.next_batch()  # the batches of this step that spiked before a rollback
-        for _ in range(self.grad_accum_steps):
-            inputs, labels, extra = self.next_batch()
+        batches = [self.next_batch() for _ in range(self.grad_accum_steps)]
+        self.loss_scale = self.step_loss_scale([labels for _, labels, _ in batches])
+        for inputs, labels, extra in batches:
             step_loss += self.forward_backward(inputs, labels, extra)
         params = [p for part in self.model_parts for p in part.parameters()]
         # Measure the norm (max_norm 0), check it, then clip: clipping by a NaN norm would make

@@ -417,6 +417,18 @@ class Debug:
 
 
 @dataclass
+class Sft:
+    packing: Literal["pack", "pad"] = "pack"
+    """With training.dataset = chat: pack conversations into each row of seq_len tokens (with model.attn_mask_type = block_causal they cannot attend to each other) or pad one conversation per row (docs/sft.md)."""
+
+    overlong: Literal["truncate", "drop", "error"] = "truncate"
+    """A conversation longer than training.seq_len + 1 tokens is truncated (dropped if no assistant token is left), dropped, or an error naming its file and line (checked before training)."""
+
+    chat_template: Literal["auto", "default", "tokenizer"] = "auto"
+    """How conversations are rendered: the tokenizer's own chat_template (Jinja) when it has one (auto) or always (tokenizer), else the documented default template of docs/sft.md (default)."""
+
+
+@dataclass
 class FaultTolerance:
     watchdog_timeout_seconds: float = 0.0
     """When a training step runs longer than this, every rank writes the Python stacks of all its threads and the phase it waits in to <dump_folder>/<watchdog_folder>/ (with the NCCL flight recorder's trace on CUDA); must be shorter than comm.train_timeout_seconds. 0 turns the watchdog off. Armed from step 2 (step 1 includes warm-up)."""
@@ -448,4 +460,5 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
+    sft: Sft = field(default_factory=Sft)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

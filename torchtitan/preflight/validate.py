@@ -21,6 +21,7 @@ from torchtitan.distributed.pipeline_plan import (
 )
 from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS
+from torchtitan.preflight.validate_chat import validate_chat
 from torchtitan.preflight.validate_data import validate_data
 from torchtitan.preflight.validate_features import (
     validate_attention,
@@ -88,6 +89,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     _validate_model(cfg)
     _validate_training(cfg)
     validate_data(cfg)  # tokenized corpora and mixtures (docs/data.md)
+    validate_chat(cfg)  # chat SFT data (docs/sft.md)
 
     p = cfg.parallelism
     dims = ParallelDims.from_config(p, world_size)

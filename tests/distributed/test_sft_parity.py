@@ -1,0 +1,142 @@
+"""Chat SFT: the loss normalised by the unmasked tokens of the global batch is the same under
+data parallel, gradient accumulation and pipeline microbatching, although ranks and
+microbatches hold very different numbers of trained tokens (docs/sft.md)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
+from tests.distributed.parity_cases import assert_grad_norms_match
+from tests.launcher import run_ranks
+from tests.parity import ROOT, assert_losses_match, losses, train_metrics
+from torchtitan.components.chat_data import ChatDataset
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.tokenizer import build_tokenizer
+
+STEPS = 6
+SEQ = 128
+CHAT = [
+    "--training.dataset",
+    "chat",
+    "--training.dataset_path",
+    str(ROOT / "tests" / "assets" / "chat" / "train.jsonl"),
+    "--sft.packing",
+    "pad",  # one conversation per row: 4 to 46 trained tokens each
+    "--training.seq_len",
+    str(SEQ),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    dump = tmp_path_factory.mktemp("sft_reference")
+    return train_metrics([*CHAT, "--training.local_batch_size", "8"], 1, dump, STEPS)
+
+
+def _trained_per_row() -> list[int]:
+    ds = ChatDataset(CHAT[3], build_tokenizer("tests/assets/tokenizer"), SEQ, packing="pad")
+    it = iter(ds)
+    return [int((next(it)[1] != IGNORE_INDEX).sum()) for _ in range(8 * STEPS)]
+
+
+def test_ranks_and_microbatches_hold_uneven_token_counts() -> None:
+    """The premise of the cases below: a per-rank or per-microbatch mean would differ."""
+    rows = torch.tensor(_trained_per_row()).view(STEPS, 8)
+    dp_rank0, dp_rank1 = rows[:, 0::2].sum(1), rows[:, 1::2].sum(1)  # dp 2, 4 rows each
+    assert (dp_rank0 != dp_rank1).all(), (dp_rank0, dp_rank1)
+    micro = rows.view(STEPS, 4, 2).sum(-1)  # 4 accumulation microbatches of 2 rows
+    assert (micro.max(1).values > 2 * micro.min(1).values).any(), micro
+
+
+def _compare(
+    reference: list[dict], overrides: list[str], world: int, dump: Path, label: str
+) -> None:
+    got = train_metrics([*CHAT, *overrides], world, dump, STEPS)
+    assert_losses_match(losses(reference), losses(got), rtol=1e-5, label=label)
+    assert_grad_norms_match(reference, got, label)
+    assert losses(reference)[-1] < losses(reference)[0] - 0.5, losses(reference)
+
+
+def test_sft_fsdp2_matches_single_process(reference: list[dict], tmp_path: Path) -> None:
+    _compare(reference, ["--training.local_batch_size", "4"], 2, tmp_path, "SFT FSDP 2")
+
+
+@pytest.mark.slow
+def test_sft_grad_accumulation_4_matches(reference: list[dict], tmp_path: Path) -> None:
+    _compare(reference, ["--training.local_batch_size", "2"], 1, tmp_path, "SFT accum x4")
+
+
+@pytest.mark.slow
+def test_sft_pp2_microbatches_match(reference: list[dict], tmp_path: Path) -> None:
+    overrides = [
+        "--training.local_batch_size",
+        "8",
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        "--parallelism.pipeline_parallel_microbatches",
+        "4",
+    ]
+    _compare(reference, overrides, 2, tmp_path, "SFT PP 2 (4 microbatches)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "axis", ["context_parallel_degree", "tensor_parallel_degree"], ids=["cp2", "tp2"]
+)
+def test_sft_cp2_tp2_match(reference: list[dict], tmp_path: Path, axis: str) -> None:
+    """CP ranks hold uneven trained-token shares of each sequence; TP's loss parallel sums."""
+    overrides = ["--training.local_batch_size", "8", f"--parallelism.{axis}", "2"]
+    _compare(reference, overrides, 2, tmp_path, f"SFT {axis} 2")
+
+
+@pytest.mark.slow
+def test_sft_resume_is_bitwise(tmp_path: Path) -> None:
+    """FSDP 2, packed conversations under block_causal: 6 steps straight equal 3 steps, a
+    restart from the step-3 checkpoint and 3 more steps (losses, grad norms, checkpoint)."""
+    packed = [*CHAT, "--sft.packing", "pack", "--model.attn_mask_type", "block_causal"]
+    argv = ckpt_argv(*packed, "--training.local_batch_size", "4")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    ref = run_ranks(train_with_faults, 2, argv, str(straight), timeout=600)[0]
+    shutil.copytree(straight / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
+    got = run_ranks(train_with_faults, 2, argv, str(resumed), timeout=600)[0]
+    assert [m["step"] for m in got] == [4, 5, 6]
+    assert losses(got) == losses(ref)[3:], (losses(got), losses(ref))
+    assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in ref[3:]]
+    n = assert_checkpoints_identical(
+        straight / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6"
+    )
+    print(f"SFT FSDP 2: resume from step 3 == straight; {n} checkpoint entries identical")
+
+
+@pytest.mark.slow
+def test_sft_validation_loss_pp2_matches_single_process(tmp_path: Path) -> None:
+    """Validation on chat data counts only the trained tokens, under PP too."""
+    val = ["--validation.enable", "--validation.dataset", "chat", "--validation.freq", "2"]
+    val += ["--validation.dataset_path", str(ROOT / "tests/assets/chat/validation.jsonl")]
+    base = [*CHAT, *val, "--training.local_batch_size", "8"]
+    ref = train_metrics(base, 1, tmp_path / "ref", steps=2)
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--metrics.save_for_all_ranks"]
+    got = train_metrics([*base, *pp2], 2, tmp_path / "pp", steps=2)
+    rows = [[r for r in m if "validation/loss" in r] for m in (ref, got)]
+    trained = sum(
+        int((lab != IGNORE_INDEX).sum())
+        for _, lab in ChatDataset(
+            val[-1], build_tokenizer("tests/assets/tokenizer"), SEQ, packing="pad", infinite=False
+        )
+    )
+    # 40 conversations, 5 full batches of 8: every trained token of the split is counted
+    assert [r["validation/tokens"] for r in rows[0]] == [r["validation/tokens"] for r in rows[1]]
+    assert rows[0][0]["validation/tokens"] == trained
+    assert_losses_match(
+        [r["validation/loss"] for r in rows[0]],
+        [r["validation/loss"] for r in rows[1]],
+        rtol=1e-5,
+        label="SFT PP 2 validation loss",
+    )

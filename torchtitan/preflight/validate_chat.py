@@ -1,0 +1,84 @@
+"""Preflight rules of the ``chat`` dataset and the ``[sft]`` section (docs/sft.md): the file
+exists, every record is a well-formed conversation (the error names the file and line), and,
+with ``sft.overlong = "error"``, no conversation is longer than the sequence."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torchtitan.components.chat_data import tokenized_conversations
+from torchtitan.components.chat_template import read_conversations, resolve_chat_template
+from torchtitan.components.tokenizer import build_tokenizer, resolve_repo_path
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig, Sft
+from torchtitan.tools.logging import logger
+
+_FORMAT = (
+    'a JSONL file with one {"messages": [{"role": "system"|"user"|"assistant", "content": '
+    '"..."}, ...]} object per line (docs/sft.md; example: tests/assets/chat/train.jsonl)'
+)
+
+
+def validate_chat(cfg: JobConfig) -> None:
+    """Raise ConfigError on the first broken rule of a ``chat`` training/validation dataset."""
+    t, v = cfg.training, cfg.validation
+    sources = [("training", t.dataset, t.dataset_path)]
+    if v.enable:
+        sources.append(("validation", v.dataset, v.dataset_path))
+    for section, name, path in sources:
+        if name == "chat":
+            _validate_source(cfg, f"{section}.dataset_path", path)
+    if not any(name == "chat" for _, name, _ in sources):
+        for f in dataclasses.fields(Sft):
+            if getattr(cfg.sft, f.name) != f.default:
+                raise ConfigError(
+                    f"sft.{f.name}",
+                    getattr(cfg.sft, f.name),
+                    "applies only to a 'chat' dataset, and none is used",
+                    "set training.dataset = 'chat' (docs/sft.md) or remove the option",
+                )
+    if t.dataset == "chat" and t.data_sharding != "window":
+        raise ConfigError(
+            "training.data_sharding",
+            t.data_sharding,
+            "the chat dataset always shares its rows like 'window' (row g to rank g % dp)",
+            "remove it or set it to 'window' (docs/sft.md)",
+        )
+    if t.dataset == "chat" and cfg.sft.packing == "pack" and cfg.model.attn_mask_type == "causal":
+        logger.warning(
+            "sft.packing = 'pack' with model.attn_mask_type = 'causal': a conversation attends "
+            "to the earlier conversations of its row; set model.attn_mask_type = "
+            "'block_causal' to keep them apart (docs/sft.md)"
+        )
+
+
+def _validate_source(cfg: JobConfig, field: str, path: str | None) -> None:
+    if not path:
+        raise ConfigError(
+            field, path, "a 'chat' dataset needs a file", f"set --{field} to {_FORMAT}"
+        )
+    file = resolve_repo_path(path)
+    if not file.is_file():
+        raise ConfigError(
+            field,
+            path,
+            "is a directory, not a file"
+            if file.is_dir()
+            else "does not exist (looked in the working directory and the repository root)",
+            f"point it at {_FORMAT}",
+        )
+    s = cfg.sft
+    try:
+        if s.overlong == "error" or s.chat_template == "tokenizer":
+            tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+            resolve_chat_template(tokenizer, s.chat_template)
+            if s.overlong == "error":
+                tokenized_conversations(
+                    file, tokenizer, cfg.training.seq_len, "error", s.chat_template
+                )
+                return
+        if sum(1 for _ in read_conversations(file)) == 0:  # reads (checks) every record
+            raise ValueError(f"{file} holds no conversation")
+    except (ValueError, OSError) as e:
+        fix = f"fix the data or the option; expected {_FORMAT}"
+        raise ConfigError(field, path, str(e), fix) from e
