@@ -57,6 +57,7 @@ from torchtitan.components import checkpoint_safety as safety
 from torchtitan.components.checkpoint_trust import (
     SafeFileSystemReader,
     SafeLoadPlanner,
+    UntrustedCheckpointError,
     decode_state,
     encode_state,
 )
@@ -350,7 +351,15 @@ class CheckpointManager:
         saved = set(metadata)
 
         def blank(key: str) -> torch.Tensor:  # a uint8 tensor of the saved entry's size
-            return torch.empty(metadata[key].size, dtype=torch.uint8)  # type: ignore[union-attr]
+            size = getattr(metadata[key], "size", None)
+            if size is None:  # a pickled object: written before the trust model
+                raise UntrustedCheckpointError(
+                    f"checkpoint {path}: {key} is a pickled object (a checkpoint written by an "
+                    "older version), which this version does not unpickle (docs/checkpoint.md, "
+                    "'Trust model'); load its weights with checkpoint.initial_load_path, which "
+                    "loads only the model by default"
+                )
+            return torch.empty(size, dtype=torch.uint8)
 
         components = {c for c in components if any(k.startswith(f"{c}.") or k == c for k in saved)}
         sd: dict[str, Any] = {}
