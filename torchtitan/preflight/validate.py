@@ -31,6 +31,8 @@ from torchtitan.preflight.validate_parallel import (
     validate_context_parallel,
     validate_tensor_parallel,
 )
+from torchtitan.preflight.validate_paths import validate_paths
+from torchtitan.preflight.validate_values import validate_values
 from torchtitan.tools.logging import logger
 
 
@@ -79,6 +81,7 @@ def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
 def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raise ConfigError on the first rule the config breaks."""
     world_size = world_size_from_env() if world_size is None else world_size
+    validate_values(cfg)  # every number finite and in range, every choice valid
     validate_speed_features(cfg)
     validate_observability(cfg)
     validate_checkpoint(cfg, world_size)
@@ -92,6 +95,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_context_parallel(cfg, dims.cp, dims.tp)
     validate_attention(cfg, dims.cp)
     dims.batch_plan(cfg.training.local_batch_size, cfg.training.global_batch_size)
+    validate_paths(cfg)  # dump folder, tokenizer, data files, checkpoint step (touch the disk)
 
     if cfg.training.mixed_precision_param == "bfloat16" and device_type() != "cuda":
         logger.warning(

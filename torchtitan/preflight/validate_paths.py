@@ -1,0 +1,107 @@
+"""Paths checked before launch (part of ``validate_config``): the dump folder can be created and
+written, the tokenizer decodes, dataset files exist and their first record decodes, and the
+checkpoint a run is told to load exists. Each failure is a ConfigError naming the field."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torchtitan.components.checkpoint_io import complete_steps
+from torchtitan.components.data_checks import check_files
+from torchtitan.components.dataloader import local_source
+from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig
+
+
+def validate_paths(cfg: JobConfig) -> None:
+    """Dump folder, tokenizer, datasets, checkpoint load step (in that order)."""
+    validate_dump_folder(cfg.job.dump_folder)
+    validate_tokenizer(cfg.model.tokenizer_path)
+    _validate_dataset("training", cfg.training.dataset, cfg.training.dataset_path, "train")
+    if cfg.validation.enable:
+        _validate_dataset(
+            "validation", cfg.validation.dataset, cfg.validation.dataset_path, "validation"
+        )
+    ck = cfg.checkpoint
+    if ck.enable and ck.load_step >= 0:
+        root = Path(cfg.job.dump_folder) / ck.folder
+        steps = complete_steps(root)
+        if ck.load_step not in steps:
+            raise ConfigError(
+                "checkpoint.load_step",
+                ck.load_step,
+                f"{root} holds no complete step-{ck.load_step} checkpoint (complete steps: "
+                f"{steps or 'none'})",
+                "use one of those steps, or -1 for the newest valid one",
+            )
+
+
+def validate_dump_folder(folder: str) -> None:
+    """``folder`` is a directory (or can be made one) that this user can write."""
+    field = "job.dump_folder"
+    if not folder.strip():
+        raise ConfigError(field, folder, "must not be empty", "use e.g. ./outputs")
+    path = Path(folder).expanduser()
+    probe = path
+    while not probe.exists():  # the nearest existing ancestor decides
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        what = "is a regular file" if probe == path else f"is under {probe}, a regular file"
+        raise ConfigError(field, folder, f"{what}, not a folder", "give a folder path")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        where = "" if probe == path else f" ({probe} is the nearest existing folder)"
+        raise ConfigError(
+            field, folder, f"is not writable by this user{where}", "give a folder you can write"
+        )
+
+
+def validate_tokenizer(path: str) -> None:
+    """The tokenizer loads and round-trips a sentence."""
+    try:
+        tok = build_tokenizer(path)
+        text = "The quick brown fox, 1234."
+        ids = tok.encode(text, bos=False, eos=False)
+        ok = tok.decode(ids) == text
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            "model.tokenizer_path",
+            path,
+            f"cannot be loaded as a tokenizer: {e}",
+            "point it at a tiktoken ranks file (or a folder with tokenizer.model), e.g. "
+            "tests/assets/tokenizer",
+        ) from None
+    if not ok:
+        raise ConfigError(
+            "model.tokenizer_path",
+            path,
+            "does not round-trip text (decode(encode(s)) != s)",
+            "rebuild it with scripts/train_tokenizer.py",
+        )
+
+
+def _validate_dataset(section: str, dataset: str, dataset_path: str | None, split: str) -> None:
+    """Local data: the files exist and their heads decode (DataError names file and line). A hub
+    dataset in an offline run must be in the local cache."""
+    source = local_source(dataset, dataset_path, split, section)  # DataError if missing
+    if source is not None:
+        check_files(source)
+        return
+    offline = {os.environ.get(v, "0").lower() for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    if offline & {"1", "true", "yes", "on"}:
+        from datasets import load_dataset_builder
+
+        try:
+            load_dataset_builder(dataset_path or dataset)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ConfigError(
+                f"{section}.dataset",
+                dataset,
+                f"is not a local path and not in the Hugging Face cache, and this run is "
+                f"offline (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE): {type(e).__name__}: {first}",
+                "download it once online, or set dataset_path to local files",
+            ) from None
