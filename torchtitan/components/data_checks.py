@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from torchtitan.config.errors import ConfigError
 
@@ -47,12 +48,14 @@ class DataSource:
 
     field: str
     value: str
-    files: list[Path] = field(default_factory=list)
+    files: list[Path] = dataclass_field(default_factory=list)
     text_column: str = "text"
 
 
 def _open(path: Path) -> IO[bytes]:
-    return gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")
+    if path.name.endswith(".gz"):
+        return cast(IO[bytes], gzip.open(path, "rb"))
+    return path.open("rb")
 
 
 def _json_lines(

@@ -123,7 +123,7 @@ class Validator:
         all_reduce_(acc, self.pp_mesh, op="sum")
         loss_sum, tokens = acc.tolist()
         if tokens == 0:
-            src = getattr(self.dataloader.dataset, "source", None)
+            src = getattr(getattr(self.dataloader, "dataset", None), "source", None)
             raise DataError(
                 src.field if src is not None else "validation.dataset",
                 src.value if src is not None else None,
