@@ -1,5 +1,5 @@
 """``python -m torchtitan.launch [torchrun options] -m torchtitan.train [config args]``: torchrun
-with exit codes a user can act on (``run_train.sh`` uses it; docs/config.md, "Exit codes").
+with exit codes a user can act on (``run_train.sh`` uses it; docs/errors.md, "Exit codes").
 
 - 0: training finished, or a preemption signal (SIGTERM, SIGUSR1) was handled gracefully: every
   local rank saved its checkpoint and exited 0. torchrun itself raises ``SignalException`` when

@@ -1,4 +1,4 @@
-"""run_train.sh exit codes (docs/config.md, "Exit codes"): 2 and one message for a config error
+"""run_train.sh exit codes (docs/errors.md, "Exit codes"): 2 and one message for a config error
 (no rank started) or a data error met by the ranks; 0 after a graceful preemption save."""
 
 from __future__ import annotations

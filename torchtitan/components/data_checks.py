@@ -4,7 +4,7 @@ A problem with the data is a :class:`DataError`: a ``ConfigError`` (so entry poi
 one message and exit 2) that also names the file and, where known, the line. The preflight
 (``torchtitan.preflight.validate_paths``) decodes the head of every data file with
 :func:`check_file`; the dataloader turns a reader's exception into a DataError with
-:func:`data_error` (docs/config.md, "Common errors").
+:func:`data_error` (docs/errors.md).
 """
 
 from __future__ import annotations

@@ -150,6 +150,7 @@ def local_source(
     elif resolve_repo_path(dataset).exists():
         field, path = f"{section}.dataset", dataset
     else:
+        _check_not_a_missing_path(dataset, section)
         return None
     column = spec.text_column if spec is not None else "text"
     return DataSource(field, path, local_data_files(path, split, field), column)
@@ -204,14 +205,18 @@ def load_text_dataset(
         return _load_local(dataset_path, split), "text"
     if resolve_repo_path(dataset).exists():
         return _load_local(dataset, split), "text"
+    _check_not_a_missing_path(dataset)
+    return _load_hub(dataset, split), "text"
+
+
+def _check_not_a_missing_path(dataset: str, section: str = "training") -> None:
     if dataset.startswith((".", "/", "~")) or _builder_for(Path(dataset)):
         raise DataError(
-            "training.dataset",
+            f"{section}.dataset",
             dataset,
             "looks like a local path but does not exist",
             f"fix the path, or use a registered dataset ({', '.join(sorted(DATASETS))})",
         )
-    return _load_hub(dataset, split), "text"
 
 
 def document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -290,7 +295,13 @@ class PackedTokenDataset(IterableDataset, Stateful):
                     f"a record has no {self.text_column!r} column (columns: {sorted(example)})",
                     f"give every record a {self.text_column!r} field",
                 )
-            yield example[self.text_column]
+            text = example[self.text_column]
+            if not isinstance(text, str):  # a record without it (the reader filled in None)
+                raise data_error(
+                    self.source,
+                    TypeError(f"a record's {self.text_column!r} is {type(text).__name__}"),
+                )
+            yield text
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         if self._pending is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from torchtitan.components.checkpoint_io import complete_steps
 from torchtitan.components.data_checks import check_files
 from torchtitan.components.dataloader import local_source
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.components.tokenizer import _TRAIN_HINT, build_tokenizer
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 
@@ -67,12 +67,14 @@ def validate_tokenizer(path: str) -> None:
         ids = tok.encode(text, bos=False, eos=False)
         ok = tok.decode(ids) == text
     except (OSError, ValueError) as e:
+        why = str(e).replace(_TRAIN_HINT, "").replace(f"model.tokenizer_path={path!r} ", "")
+        why = why.strip().rstrip(".")
         raise ConfigError(
             "model.tokenizer_path",
             path,
-            f"cannot be loaded as a tokenizer: {e}",
+            f"cannot be loaded as a tokenizer: {why}",
             "point it at a tiktoken ranks file (or a folder with tokenizer.model), e.g. "
-            "tests/assets/tokenizer",
+            "tests/assets/tokenizer, or train one with scripts/train_tokenizer.py",
         ) from None
     if not ok:
         raise ConfigError(

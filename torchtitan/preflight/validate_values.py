@@ -3,7 +3,7 @@ is one of its options (part of ``validate_config``, run before the cross-field c
 
 ``RULES`` maps a dotted field to its rule. ``tests/unit/test_validate_values.py`` walks every
 field of ``JobConfig`` and fails when a numeric field has no rule here, so a new ``int`` or
-``float`` field must get one line below (docs/config.md, "Common errors").
+``float`` field must get one line below (docs/errors.md).
 """
 
 from __future__ import annotations
