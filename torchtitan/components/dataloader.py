@@ -346,7 +346,8 @@ class PackedTokenDataset(IterableDataset, Stateful):
                         yield inputs, tokens[1:], document_ids(inputs, self._tokenizer.eos_id)
                     else:
                         yield tokens[:-1], tokens[1:]
-            if n_docs == 0 and first_pass and fresh and self.sharding == "window":
+            in_main = torch.utils.data.get_worker_info() is None  # workers may get no files
+            if n_docs == 0 and first_pass and fresh and self.sharding == "window" and in_main:
                 src = self.source
                 raise DataError(
                     src.field if src else "training.dataset",
