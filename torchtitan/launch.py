@@ -2,18 +2,18 @@
 with exit codes a user can act on (``run_train.sh`` uses it; docs/errors.md, "Exit codes").
 
 - 0: training finished, or a preemption signal (SIGTERM, SIGUSR1) was handled gracefully: every
-  local rank saved its checkpoint and exited 0. torchrun itself raises ``SignalException`` when
-  it receives a signal (its elastic agent turns the signal into that exception, forwards the
-  signal to the ranks, waits up to ``--shutdown-timeout`` for them and re-raises); here that
-  ends in exit 0 when every local rank reported a graceful stop.
+  local rank saved its checkpoint and exited 0 (or had just finished). torchrun raises
+  ``SignalException`` when it receives a signal (its elastic agent turns the signal into that
+  exception, forwards the signal to the ranks, waits up to ``--shutdown-timeout`` for them and
+  re-raises); here that ends in exit 0 when every local rank reported a clean end.
 - 2: a rank stopped on a config or data error (the rank printed the one-line message; it is
   repeated here, without torchrun's ``ChildFailedError`` traceback).
-- 1: a rank failed otherwise (its traceback is in the rank's output), or a signal arrived and
-  some rank did not stop gracefully (e.g. checkpointing off): then 128 + the signal number.
+- 1: a rank failed otherwise (its traceback is in the rank's output).
+- 128 + N: signal N arrived and some rank did not stop cleanly (e.g. checkpointing off).
 
-Ranks report through files in ``$TORCHTITAN_LAUNCH_DIR`` (a temporary folder made here):
-``stopped_<local rank>`` after a graceful preemption stop and ``error_<local rank>`` with the
-message of a config/data error (written by ``torchtitan.train``).
+Ranks report through files in ``$TORCHTITAN_LAUNCH_DIR`` (a temporary folder made here),
+written by ``torchtitan.train``: ``stopped_<local rank>`` (holding the step) when the rank ends
+cleanly, ``error_<local rank>`` with the message of a config/data error.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ LAUNCH_DIR_ENV = "TORCHTITAN_LAUNCH_DIR"
 
 
 def report_stop(kind: str, text: str) -> None:
-    """From a rank: record a graceful preemption stop (``stopped``) or an error message
-    (``error``) for the launcher; a no-op when not started by it."""
+    """From a rank: record a clean end (``stopped``, the step) or an error message (``error``)
+    for the launcher; a no-op when not started by it."""
     folder = os.environ.get(LAUNCH_DIR_ENV)
     if not folder:
         return
@@ -63,8 +63,9 @@ def main(argv: list[str]) -> int:
         if stopped and (expected is None or len(stopped) == expected):
             steps = sorted({p.read_text().strip() for p in stopped})
             print(
-                f"launch: signal {e.sigval.name}: every rank saved a checkpoint and stopped "
-                f"(step {', '.join(steps)}); relaunch the same command to resume",
+                f"launch: signal {e.sigval.name}: every rank stopped cleanly at step "
+                f"{', '.join(steps)} (after saving a checkpoint there when checkpoint.enable "
+                "is on); relaunch the same command to resume",
                 file=sys.stderr,
             )
             return 0

@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         trainer.close()
         destroy_distributed()
-    if trainer.preempted_at is not None:
-        report_stop("stopped", str(trainer.preempted_at))
+    # To the launcher: this rank ended cleanly (a signal that came at the very end, after the
+    # last step, also ends here), at this step.
+    report_stop("stopped", str(trainer.preempted_at or trainer.step))
     return 0
 
 

@@ -206,7 +206,21 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         ["--job.dump_folder", "{d}/a_file/out"],
         1,
         "job.dump_folder",
-        "a regular file, not a folder",
+        "is under <dir>/a_file, a file, not a folder",
+    ),
+    (
+        "tb-folder-is-file",
+        ["--metrics.save_tb_folder", "{d}/a_file"],
+        1,
+        "metrics.save_tb_folder",
+        "a_file is a regular file, not a folder",
+    ),
+    (
+        "checkpoint-folder-under-file",
+        ["--checkpoint.folder", "{d}/a_file/ck"],
+        1,
+        "checkpoint.folder",
+        "is under <dir>/a_file, a file",
     ),
     ("dump-folder-empty", ["--job.dump_folder", ""], 1, "job.dump_folder", "must not be empty"),
     (

@@ -18,6 +18,15 @@ from torchtitan.config.job_config import JobConfig
 def validate_paths(cfg: JobConfig) -> None:
     """Dump folder, tokenizer, datasets, checkpoint load step (in that order)."""
     validate_dump_folder(cfg.job.dump_folder)
+    for field, sub in (
+        ("checkpoint.folder", cfg.checkpoint.folder),
+        ("metrics.save_tb_folder", cfg.metrics.save_tb_folder),
+        ("profiling.save_traces_folder", cfg.profiling.save_traces_folder),
+        ("profiling.save_memory_snapshot_folder", cfg.profiling.save_memory_snapshot_folder),
+        ("compile.cache_dir", cfg.compile.cache_dir),
+    ):
+        if sub:  # relative to the dump folder (an absolute path replaces it)
+            validate_dump_folder(str(Path(cfg.job.dump_folder) / sub), field, sub)
     validate_tokenizer(cfg.model.tokenizer_path)
     _validate_dataset("training", cfg.training.dataset, cfg.training.dataset_path, "train")
     if cfg.validation.enable:
@@ -38,9 +47,12 @@ def validate_paths(cfg: JobConfig) -> None:
             )
 
 
-def validate_dump_folder(folder: str) -> None:
-    """``folder`` is a directory (or can be made one) that this user can write."""
-    field = "job.dump_folder"
+def validate_dump_folder(
+    folder: str, field: str = "job.dump_folder", shown: str | None = None
+) -> None:
+    """``folder`` is a directory (or can be made one) that this user can write; errors name
+    ``field`` with the value ``shown`` (default: ``folder``)."""
+    shown = folder if shown is None else shown
     if not folder.strip():
         raise ConfigError(field, folder, "must not be empty", "use e.g. ./outputs")
     path = Path(folder).expanduser()
@@ -50,12 +62,14 @@ def validate_dump_folder(folder: str) -> None:
             break
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
-        what = "is a regular file" if probe == path else f"is under {probe}, a regular file"
-        raise ConfigError(field, folder, f"{what}, not a folder", "give a folder path")
+        what = f"{path} is a regular file" if probe == path else f"{path} is under {probe}, a file"
+        if probe == path and field == "job.dump_folder":
+            what = "is a regular file"
+        raise ConfigError(field, shown, f"{what}, not a folder", "give a folder path")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         where = "" if probe == path else f" ({probe} is the nearest existing folder)"
         raise ConfigError(
-            field, folder, f"is not writable by this user{where}", "give a folder you can write"
+            field, shown, f"is not writable by this user{where}", "give a folder you can write"
         )
 
 
