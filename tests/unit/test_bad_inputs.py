@@ -85,27 +85,17 @@ def test_reading_errors_name_file_and_line(tmp_path: Path) -> None:
             pass
 
 
-def test_offline_unknown_hub_dataset_is_a_config_error(tmp_path: Path) -> None:
+def test_offline_unknown_hub_dataset_is_one_message(tmp_path: Path) -> None:
+    """Not a preflight check (opening a hub dataset needs the network or the cache): the trainer
+    meets it while building the data, before any step, and reports one line, exit 2."""
     # HF_DATASETS_OFFLINE is read when `datasets` is imported: a fresh process.
-    cmd = [
-        sys.executable,
-        "-m",
-        "torchtitan.config",
-        "--job.config_file",
-        "train_configs/debug_model.toml",
-        "--training.dataset",
-        "no-such-user/no-such-dataset",
-    ]
-    env = {
-        "HF_DATASETS_OFFLINE": "1",
-        "HF_HUB_OFFLINE": "1",
-        "PATH": "/usr/bin:/bin",
-        "HOME": str(tmp_path),
-    }
+    cmd = [sys.executable, "-m", "torchtitan.train", "--job.config_file"]
+    cmd += ["train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path / "out")]
+    cmd += ["--training.dataset", "no-such-user/no-such-dataset"]
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    env["HOME"] = str(tmp_path)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert (
-        "training.dataset = 'no-such-user/no-such-dataset': is not a local path and not in the Hugging Face cache"
-        in proc.stderr
-    )
+    want = "config error: training.dataset = 'no-such-user/no-such-dataset': could not be opened"
+    assert want in proc.stderr and "OfflineModeIsEnabled" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -101,23 +101,9 @@ def validate_tokenizer(path: str) -> None:
 
 def _validate_dataset(section: str, dataset: str, dataset_path: str | None, split: str) -> None:
     """Local data: the files exist and their heads decode (DataError names file and line). A hub
-    dataset in an offline run must be in the local cache."""
+    dataset is not opened here (that needs the network or the cache, and a dataset's config
+    name); when it cannot be opened the trainer reports it as one message (DataError), before
+    any training step."""
     source = local_source(dataset, dataset_path, split, section)  # DataError if missing
     if source is not None:
         check_files(source)
-        return
-    offline = {os.environ.get(v, "0").lower() for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
-    if offline & {"1", "true", "yes", "on"}:
-        from datasets import load_dataset_builder
-
-        try:
-            load_dataset_builder(dataset_path or dataset)
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0]
-            raise ConfigError(
-                f"{section}.dataset",
-                dataset,
-                f"is not a local path and not in the Hugging Face cache, and this run is "
-                f"offline (HF_DATASETS_OFFLINE/HF_HUB_OFFLINE): {type(e).__name__}: {first}",
-                "download it once online, or set dataset_path to local files",
-            ) from None
