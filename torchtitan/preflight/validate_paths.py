@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from torchtitan.components.checkpoint_io import complete_steps
+from torchtitan.components.data_builder import DATASET_KINDS
 from torchtitan.components.data_checks import check_files
 from torchtitan.components.dataloader import local_source
 from torchtitan.components.tokenizer import _TRAIN_HINT, build_tokenizer
@@ -103,7 +104,10 @@ def _validate_dataset(section: str, dataset: str, dataset_path: str | None, spli
     """Local data: the files exist and their heads decode (DataError names file and line). A hub
     dataset is not opened here (that needs the network or the cache, and a dataset's config
     name); when it cannot be opened the trainer reports it as one message (DataError), before
-    any training step."""
+    any training step. Pre-tokenized corpora, mixtures and chat data have their own checks
+    (validate_data.py, validate_chat.py)."""
+    if dataset in DATASET_KINDS or dataset == "chat":
+        return
     source = local_source(dataset, dataset_path, split, section)  # DataError if missing
     if source is not None:
         check_files(source)
