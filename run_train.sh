@@ -12,7 +12,7 @@
 #
 # Preemption (with --checkpoint.enable): torchrun forwards SIGTERM and SIGUSR1 (SLURM's
 # `--signal=USR1@120`) to every rank; the trainer saves a checkpoint at the next step boundary
-# and exits 0. torchrun kills ranks that are still running SHUTDOWN_TIMEOUT seconds (default
+# and exits 0 (and so does this script). torchrun kills ranks that are still running SHUTDOWN_TIMEOUT seconds (default
 # 120) after the signal, so keep it above a checkpoint save. A relaunch, or a torchrun restart
 # after a crash (add --max-restarts N via TORCHRUN_ARGS), resumes from the newest complete
 # checkpoint automatically; see docs/checkpoint.md.
@@ -43,6 +43,9 @@ if [[ -z "${NGPU:-}" ]]; then
         NGPU=2
     fi
 fi
+# Validate before torchrun starts: a config error is one message and exit 2, no rank started.
+"$python" -m torchtitan.config --world_size "$NGPU" --job.config_file "$config" "$@" >/dev/null ||
+    exit $?
 LOG_RANK="${LOG_RANK:-0}"
 if [[ "$LOG_RANK" == *last* || "$LOG_RANK" == *all* ]]; then
     # The ranks holding the last stage depend on the schedule and degrees: ask the config.
@@ -62,7 +65,9 @@ export HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-0}"
 # connect (docs/checkpoint.md, "Restarts after a crash").
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
-exec "$python" -m torch.distributed.run \
+# torchtitan.launch is torchrun with our exit codes: 0 done or gracefully preempted, 2 config or
+# data error, 1 any other failure (docs/errors.md, "Exit codes").
+exec "$python" -m torchtitan.launch \
     --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \

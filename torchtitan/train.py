@@ -8,6 +8,7 @@ import sys
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import help_text
 from torchtitan.distributed.utils import destroy_distributed
+from torchtitan.launch import report_stop
 from torchtitan.plan.explain import explain
 from torchtitan.preflight.validate import load_config, world_size_from_env
 from torchtitan.trainer import Trainer
@@ -21,14 +22,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(argv)  # parse and validate, before any process group
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return config_error(e)
     if cfg.job.explain:  # the preflight plan, then exit: no process group, no training
         if int(os.environ.get("RANK", "0")) == 0:
             print(explain(cfg, world_size_from_env()))
         return 0
 
-    trainer = Trainer(cfg)
+    try:
+        trainer = Trainer(cfg)
+    except ConfigError as e:  # bad data or files found while building (DataError, ...)
+        destroy_distributed()
+        return config_error(e)
     try:
         if cfg.checkpoint.create_seed_checkpoint:
             # One process, all degrees 1 (validated): save the initial weights, no training.
@@ -36,10 +40,22 @@ def main(argv: list[str] | None = None) -> int:
             trainer.checkpointer.save_seed()
         else:
             trainer.train()
+    except ConfigError as e:  # e.g. a malformed record met in the middle of the data
+        return config_error(e)
     finally:
         trainer.close()
         destroy_distributed()
+    # To the launcher: this rank ended cleanly (a signal that came at the very end, after the
+    # last step, also ends here), at this step.
+    report_stop("stopped", str(trainer.preempted_at or trainer.step))
     return 0
+
+
+def config_error(e: ConfigError) -> int:
+    """One line on stderr (and to the launcher), exit code 2: no traceback for bad input."""
+    print(f"config error: {e}", file=sys.stderr)
+    report_stop("error", f"rank {os.environ.get('RANK', '0')}: config error: {e}")
+    return 2
 
 
 if __name__ == "__main__":

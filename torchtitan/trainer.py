@@ -56,6 +56,8 @@ ModelInputs = dict[str, torch.Tensor]
 
 
 class Trainer:
+    preempted_at: int | None = None  # the step after which a preemption signal stopped train()
+
     def __init__(self, cfg: JobConfig) -> None:
         """Build in order; the config was validated before we got here."""
         self.cfg = cfg
@@ -514,6 +516,7 @@ class Trainer:
                 )
                 self.metrics.exclude_time(time.perf_counter() - start)
                 if stop:
+                    self.preempted_at = self.step
                     logger.info(f"stopping after step {self.step} (preemption signal)")
                     break
             if self.step == 1:

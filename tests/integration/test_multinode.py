@@ -144,5 +144,5 @@ def test_slurm_script_composes_the_torchrun_line() -> None:
     assert value("--rdzv_backend") == "c10d" and value("--rdzv_endpoint") == "gpu-a17:29500"
     assert value("--rdzv_id") == "4242" and value("--max-restarts") == "3"
     assert value("--job.config_file") == "train_configs/llama3_70b.toml"
-    assert args[args.index("-m") + 1] == "torch.distributed.run"
+    assert args[args.index("-m") + 1] == "torchtitan.launch"  # torchrun with our exit codes
     assert args[-3:-1] == ["--training.steps", "3"]

@@ -27,7 +27,13 @@ ALLOWED = {
     "preflight": {"config", "tools", "distributed", "components", "models"},
     "plan": {"config", "tools", "distributed", "components", "models", "preflight"},
 }
-TOP = {"torchtitan.train", "torchtitan.trainer", "torchtitan.builders", "torchtitan.log_ranks"}
+TOP = {
+    "torchtitan.train",
+    "torchtitan.trainer",
+    "torchtitan.builders",
+    "torchtitan.log_ranks",
+    "torchtitan.launch",
+}
 
 # Names of Llama 3's modules and buffers: the generic layers must get them from a plan.
 LLAMA_NAMES = {

@@ -84,7 +84,7 @@ def test_tokenized_dataset_validates(tmp_path: Path, corpus: Path) -> None:
         ('mixture_exhausted = "error"\n', "training.mixture_exhausted", "only applies"),
         ('dataset = "tokenized"\ndataset_path = "{corpus}"\ndata_sharding = "document"\n',
          "training.data_sharding", "only applies to text datasets"),
-        ('[[training.mixture]]\npathh = "x"\n', "training.mixture[0].pathh", "is not a key"),
+        ('[[training.mixture]]\npathh = "x"\n', "training.mixture[0].pathh", "is not a field"),
         ('dataset = "mixture"\n[[training.mixture]]\npath = "{corpus}"\nweight = inf\n',
          "training.mixture[0].weight", "finite"),
         ('[validation]\nenable = true\ndataset = "mixture"\n', "validation.dataset",

@@ -254,9 +254,9 @@ def test_txt_files(tmp_path: Path, tok: Tokenizer) -> None:
 
 
 def test_bad_paths_raise(tmp_path: Path, tok: Tokenizer) -> None:
-    with pytest.raises(ValueError, match=r"training\.dataset_path='nope/missing'"):
+    with pytest.raises(ValueError, match=r"training\.dataset_path = 'nope/missing'"):
         make(Path("nope/missing"), tok)
-    with pytest.raises(ValueError, match=r"training\.dataset='\./nope\.jsonl'"):
+    with pytest.raises(ValueError, match=r"training\.dataset = '\./nope\.jsonl'"):
         load_text_dataset("./nope.jsonl", None)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no data files"):
@@ -264,7 +264,7 @@ def test_bad_paths_raise(tmp_path: Path, tok: Tokenizer) -> None:
 
 
 def test_hub_name_offline_fails_clearly(tok: Tokenizer) -> None:
-    with pytest.raises(ValueError, match=r"training\.dataset='no-such-user/no-such-dataset'"):
+    with pytest.raises(ValueError, match=r"training\.dataset = 'no-such-user/no-such-dataset'"):
         load_text_dataset("no-such-user/no-such-dataset", None)
 
 

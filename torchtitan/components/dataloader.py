@@ -38,6 +38,7 @@ from datasets.distributed import split_dataset_by_node
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
+from torchtitan.components.data_checks import DataError, DataSource, data_error
 from torchtitan.components.tokenizer import Tokenizer, resolve_repo_path
 
 __all__ = [
@@ -80,18 +81,32 @@ def _mentions(rel_path: str, names: tuple[str, ...]) -> bool:
 
 
 def _load_local(path: str, split: str) -> HFIterableDataset:
-    """A file, or a directory of .json/.jsonl/.parquet/.txt files, as a streaming dataset.
+    """A file, or a directory of .json/.jsonl/.parquet/.txt files, as a streaming dataset
+    (which files: :func:`local_data_files`)."""
+    files = local_data_files(path, split)
+    builder = _builder_for(files[0])
+    assert builder is not None
+    kwargs: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
+    return load_dataset(
+        builder, data_files={split: [str(p) for p in files]}, split=split, streaming=True, **kwargs
+    )
+
+
+def local_data_files(path: str, split: str, field: str = "training.dataset_path") -> list[Path]:
+    """The files of a local dataset ``path`` (named by the config ``field``) for ``split``.
 
     In a directory, the files whose relative path names the split (``train.jsonl``,
     ``validation/part-0.parquet``, ``c4-validation.00000.json.gz``) are used; a directory whose
     files name no split at all is the ``train`` split. ``.txt`` files give one example per
     paragraph (blank-line separated)."""
     root = resolve_repo_path(path)
+    kinds = "/".join(sorted(set(_BUILDERS)))
     if not root.exists():
-        raise ValueError(
-            f"training.dataset_path={path!r} does not exist (looked in the working directory "
-            f"and the repository root); give a file or a directory of "
-            f"{'/'.join(sorted(set(_BUILDERS)))} files"
+        raise DataError(
+            field,
+            path,
+            "does not exist (looked in the working directory and the repository root)",
+            f"give a file or a directory of {kinds} files",
         )
     if root.is_file():
         files = [root]
@@ -103,23 +118,42 @@ def _load_local(path: str, split: str) -> HFIterableDataset:
         if not files and split == "train":
             files = [p for p in candidates if not _mentions(rel[p], all_aliases)]
         if not files:
-            raise ValueError(
-                f"training.dataset_path={path!r}: no data files for split {split!r} in {root} "
-                f"(found {len(candidates)} data files; name them after the split, e.g. "
-                f"{split}.jsonl or {split}/part-0.parquet)"
+            raise DataError(
+                field,
+                path,
+                f"no data files for split {split!r} in {root} (found {len(candidates)} "
+                f"{kinds} files)",
+                f"name them after the split, e.g. {split}.jsonl or {split}/part-0.parquet",
             )
     builders = {_builder_for(p) for p in files}
     if None in builders or len(builders) != 1:
-        raise ValueError(
-            f"training.dataset_path={path!r}: need files of one kind among "
-            f"{sorted(set(_BUILDERS))}, got {[p.name for p in files[:5]]}"
+        raise DataError(
+            field,
+            path,
+            f"needs files of one kind among {kinds}, got {[p.name for p in files[:5]]}",
+            "give one file, or a directory of files of one kind",
         )
-    builder = builders.pop()
-    assert builder is not None
-    kwargs: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
-    return load_dataset(
-        builder, data_files={split: [str(p) for p in files]}, split=split, streaming=True, **kwargs
-    )
+    return files
+
+
+def local_source(
+    dataset: str, dataset_path: str | None, split: str, section: str = "training"
+) -> DataSource | None:
+    """The local files :func:`load_text_dataset` reads for these settings (None for a hub
+    dataset), named by the config field that points at them."""
+    spec = DATASETS.get(dataset)
+    if spec is not None and spec.loader is not _load_local:
+        return None
+    if spec is not None or dataset_path:
+        field = f"{section}.dataset_path" if dataset_path else f"{section}.dataset"
+        path = dataset_path or (spec.default_path if spec is not None else dataset)
+    elif resolve_repo_path(dataset).exists():
+        field, path = f"{section}.dataset", dataset
+    else:
+        _check_not_a_missing_path(dataset, section)
+        return None
+    column = spec.text_column if spec is not None else "text"
+    return DataSource(field, path, local_data_files(path, split, field), column)
 
 
 def _load_hub(path: str, split: str, config_name: str | None = None) -> HFIterableDataset:
@@ -130,11 +164,15 @@ def _load_hub(path: str, split: str, config_name: str | None = None) -> HFIterab
     try:
         return load_dataset(path, name=config_name, split=split, streaming=True)
     except Exception as e:
-        raise ValueError(
-            f"training.dataset={path!r}: could not open it as a Hugging Face dataset "
-            f"(split {split!r}): {type(e).__name__}: {e}. Registered names: {sorted(DATASETS)}; "
-            f"for local data set training.dataset_path to a file or directory. Offline runs "
-            f"(HF_DATASETS_OFFLINE=1) can only use local data or the local cache."
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise DataError(
+            "training.dataset",
+            path,
+            f"could not be opened as a Hugging Face dataset (split {split!r}): "
+            f"{type(e).__name__}: {first} (offline runs, HF_DATASETS_OFFLINE=1, can only use "
+            "local data or the local cache)",
+            f"use a registered name ({', '.join(sorted(DATASETS))}) or set "
+            "training.dataset_path to a local file or directory",
         ) from e
 
 
@@ -167,12 +205,18 @@ def load_text_dataset(
         return _load_local(dataset_path, split), "text"
     if resolve_repo_path(dataset).exists():
         return _load_local(dataset, split), "text"
-    if dataset.startswith((".", "/", "~")) or _builder_for(Path(dataset)):
-        raise ValueError(
-            f"training.dataset={dataset!r} looks like a local path but does not exist; "
-            f"registered datasets: {sorted(DATASETS)}"
-        )
+    _check_not_a_missing_path(dataset)
     return _load_hub(dataset, split), "text"
+
+
+def _check_not_a_missing_path(dataset: str, section: str = "training") -> None:
+    if dataset.startswith((".", "/", "~")) or _builder_for(Path(dataset)):
+        raise DataError(
+            f"{section}.dataset",
+            dataset,
+            "looks like a local path but does not exist",
+            f"fix the path, or use a registered dataset ({', '.join(sorted(DATASETS))})",
+        )
 
 
 def document_ids(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -213,7 +257,9 @@ class PackedTokenDataset(IterableDataset, Stateful):
         name: str = "dataset",
         sharding: Literal["window", "document"] = "window",
         with_doc_ids: bool = False,
+        source: DataSource | None = None,
     ) -> None:
+        self.source = source  # names the field and files in data errors
         if seq_len < 1:
             raise ValueError(f"training.seq_len must be >= 1, got {seq_len}")
         self.name, self.seq_len, self.infinite = name, seq_len, infinite
@@ -233,13 +279,29 @@ class PackedTokenDataset(IterableDataset, Stateful):
         self._pending: dict[str, Any] | None = None  # loaded, applied when iteration starts
 
     def _documents(self) -> Iterator[str]:
-        for example in self._data:
+        it = iter(self._data)
+        while True:
+            try:
+                example = next(it)
+            except StopIteration:
+                return
+            except Exception as e:  # a reader's error (invalid JSON, ...): name file and line
+                raise data_error(self.source, e) from e
             if self.text_column not in example:
-                raise ValueError(
-                    f"dataset {self.name!r} has no {self.text_column!r} column "
-                    f"(columns: {sorted(example)})"
+                field = self.source.field if self.source else "training.dataset"
+                raise DataError(
+                    field,
+                    self.source.value if self.source else self.name,
+                    f"a record has no {self.text_column!r} column (columns: {sorted(example)})",
+                    f"give every record a {self.text_column!r} field",
                 )
-            yield example[self.text_column]
+            text = example[self.text_column]
+            if not isinstance(text, str):  # a record without it (the reader filled in None)
+                raise data_error(
+                    self.source,
+                    TypeError(f"a record's {self.text_column!r} is {type(text).__name__}"),
+                )
+            yield text
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         if self._pending is not None:
@@ -256,6 +318,7 @@ class PackedTokenDataset(IterableDataset, Stateful):
         # data order nondeterministic. The HF epoch stays 0 and every pass starts by loading a
         # position: HF re-applies a loaded state to every later pass with the same epoch
         # number, so the fresh (start) position is loaded explicitly when not resuming.
+        fresh = hf_state is self._fresh_hf_state
         self._data.load_state_dict(hf_state)
         window = self.seq_len + 1
         mine: list[int] = []
@@ -283,6 +346,16 @@ class PackedTokenDataset(IterableDataset, Stateful):
                         yield inputs, tokens[1:], document_ids(inputs, self._tokenizer.eos_id)
                     else:
                         yield tokens[:-1], tokens[1:]
+            in_main = torch.utils.data.get_worker_info() is None  # workers may get no files
+            if n_docs == 0 and first_pass and fresh and self.sharding == "window" and in_main:
+                src = self.source
+                raise DataError(
+                    src.field if src else "training.dataset",
+                    src.value if src else self.name,
+                    f"holds no records for split {self._split_name()}",
+                    "point it at a non-empty file or directory",
+                    ", ".join(str(p) for p in src.files[:3]) if src and src.files else None,
+                )
             if not self.infinite:
                 return
             if n_docs == 0 and not first_pass:  # (a resumed pass may start at its very end)
@@ -308,6 +381,9 @@ class PackedTokenDataset(IterableDataset, Stateful):
                 self.dp_rank,
                 self._epoch,
             )
+
+    def _split_name(self) -> str:
+        return repr(getattr(self._data, "split", None) or "?")
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:
@@ -424,6 +500,8 @@ def build_dataloader(
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank must be in [0, {dp_world_size}), got {dp_rank}")
     hf_dataset, text_column = load_text_dataset(dataset, dataset_path, split)
+    section = "validation" if split == "validation" else "training"
+    source = local_source(dataset, dataset_path, split, section)
     packed = PackedTokenDataset(
         hf_dataset,
         tokenizer,
@@ -435,6 +513,7 @@ def build_dataloader(
         name=dataset,
         sharding=sharding,
         with_doc_ids=with_doc_ids,
+        source=source,
     )
     return ParallelAwareDataloader(
         packed, dp_rank, dp_world_size, batch_size=local_batch_size, num_workers=num_workers

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.components.data_checks import DataError
 from torchtitan.components.metrics_writers import MetricWriter
 from torchtitan.distributed.utils import all_reduce_
 from torchtitan.tools.logging import logger
@@ -122,9 +123,14 @@ class Validator:
         all_reduce_(acc, self.pp_mesh, op="sum")
         loss_sum, tokens = acc.tolist()
         if tokens == 0:
-            raise RuntimeError(
-                "validation ran no batches: the validation split is empty or shorter than one "
-                "batch per data-parallel rank"
+            src = getattr(getattr(self.dataloader, "dataset", None), "source", None)
+            raise DataError(
+                src.field if src is not None else "validation.dataset",
+                src.value if src is not None else None,
+                "the validation split is empty or shorter than one batch of "
+                "training.local_batch_size sequences of training.seq_len + 1 tokens per "
+                "data-parallel rank",
+                "give more validation data, or lower training.local_batch_size / seq_len",
             )
         loss = loss_sum / tokens
         ppl = math.exp(loss) if loss < 700 else math.inf

@@ -167,13 +167,20 @@ def _convert_tables(path: str, raw: Any, elem: type, from_cli: bool) -> list[Any
 
 
 def _unknown_key(section_path: str, key: str, cls: type) -> ConfigError:
+    """``key`` is no field of the section ``cls``: name the nearest field there, or the same
+    field name in another section (``training.lr`` -> ``optimizer.lr``)."""
     valid = [f.name for f in dataclasses.fields(cls)]
     where = f"[{section_path}]" if section_path else "the top level"
-    close = difflib.get_close_matches(key, valid, n=1)
-    hint = f"did you mean '{close[0]}'? " if close else ""
     full = f"{section_path}.{key}" if section_path else key
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        hint = f"did you mean '{close[0]}'? "
+    else:
+        elsewhere = [p for p, *_ in iter_fields() if p.rsplit(".", 1)[-1] == key]
+        hint = f"did you mean '{elsewhere[0]}'? " if elsewhere else ""
+    kind = "a field" if section_path else "a section"
     return ConfigError(
-        full, None, f"is not a key of {where}", f"{hint}valid keys of {where}: {', '.join(valid)}"
+        full, None, f"is not {kind} of {where}", f"{hint}valid keys of {where}: {', '.join(valid)}"
     )
 
 
@@ -239,6 +246,32 @@ def _resolve(cfg: JobConfig, dotted: str) -> tuple[Any, str, Any]:
     raise AssertionError("unreachable")
 
 
+def _leaf_type(dotted: str) -> Any | None:
+    """The annotation of the leaf field ``dotted`` (None when it names no field)."""
+    cls: Any = JobConfig
+    for part in dotted.split("."):
+        if not _is_dataclass_type(cls) or part not in {f.name for f in dataclasses.fields(cls)}:
+            return None
+        cls = _hints(cls)[part]
+    return None if _is_dataclass_type(cls) else cls
+
+
+def _negation(key: str) -> str | None:
+    """For ``no_section.field`` or ``section.no_field`` (tyro's spelling), the field it negates
+    when ``key`` itself is no field and the negated one is; None otherwise. Only boolean fields
+    take the negation: the caller reports ``--no-`` on another type."""
+    if _leaf_type(key) is not None:
+        return None
+    head, _, last = key.rpartition(".")
+    for cand in (
+        key[3:] if key.startswith("no_") else None,
+        f"{head}.{last[3:]}" if head and last.startswith("no_") else None,
+    ):
+        if cand and _leaf_type(cand) is not None:
+            return cand
+    return None
+
+
 def _split_cli(argv: list[str]) -> list[tuple[str, str | None, bool]]:
     """Turn argv into (dotted key, raw value or None for a bare flag, negated)."""
     out: list[tuple[str, str | None, bool]] = []
@@ -256,16 +289,15 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str | None, bool]]:
         value: str | None = None
         if "=" in body:
             body, value = body.split("=", 1)
-        # --no-section.field and tyro's --section.no-field both negate a boolean.
-        head, _, last = body.rpartition(".")
-        if body.startswith(("no-", "no_")):
-            negated, body = True, body[3:]
-        elif last.startswith(("no-", "no_")):
-            negated, body = True, f"{head}.{last[3:]}"
-        else:
-            negated = False
         key = body.replace("-", "_")
-        if value is None and not negated and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+        # --no-section.field and tyro's --section.no-field negate a boolean, but only when the
+        # key as written is no field: a field may itself start with no_.
+        negated_key = _negation(key)
+        negated = negated_key is not None
+        if negated_key is not None:
+            key = negated_key
+        takes_value = not negated or _strip_optional(_leaf_type(key))[0] is not bool
+        if value is None and takes_value and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             value = argv[i + 1]
             i += 1
         out.append((key, value, negated))

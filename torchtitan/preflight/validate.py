@@ -7,7 +7,6 @@ Each failure is a ConfigError naming the field, the value, the rule and a fix. `
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
@@ -33,7 +32,9 @@ from torchtitan.preflight.validate_parallel import (
     validate_context_parallel,
     validate_tensor_parallel,
 )
+from torchtitan.preflight.validate_paths import validate_paths
 from torchtitan.preflight.validate_resilience import validate_resilience
+from torchtitan.preflight.validate_values import validate_values
 from torchtitan.tools.logging import logger
 
 
@@ -82,6 +83,7 @@ def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
 def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raise ConfigError on the first rule the config breaks."""
     world_size = world_size_from_env() if world_size is None else world_size
+    validate_values(cfg)  # every number finite and in range, every choice valid
     validate_speed_features(cfg)
     validate_observability(cfg)
     validate_checkpoint(cfg, world_size)
@@ -98,6 +100,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_context_parallel(cfg, dims.cp, dims.tp)
     validate_attention(cfg, dims.cp)
     dims.batch_plan(cfg.training.local_batch_size, cfg.training.global_batch_size)
+    validate_paths(cfg)  # dump folder, tokenizer, data files, checkpoint step (touch the disk)
 
     if cfg.training.mixed_precision_param == "bfloat16" and device_type() != "cuda":
         logger.warning(
@@ -119,14 +122,7 @@ def _validate_model(cfg: JobConfig) -> None:
             f"is not a flavor of {cfg.model.name}",
             f"pick one of {list(spec.flavors)}",
         )
-    tok = Path(cfg.model.tokenizer_path)
-    if not (tok.is_file() or (tok / "tokenizer.model").is_file()):
-        raise ConfigError(
-            "model.tokenizer_path",
-            cfg.model.tokenizer_path,
-            "must be a tiktoken ranks file or a folder with tokenizer.model",
-            "point it at tests/assets/tokenizer or build one with scripts/train_tokenizer.py",
-        )
+    # model.tokenizer_path: validate_paths loads it (from the repository root too) and decodes.
 
 
 def _validate_training(cfg: JobConfig) -> None:

@@ -1,0 +1,375 @@
+"""The bad inputs of docs/errors.md "Common errors": (id, argv, field, words of the message).
+
+``{d}`` in an argument is replaced by a folder of bad files made by :func:`make_bad_files`.
+``python -m tests.unit.bad_inputs`` prints the docs table (run it after changing a message).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+CONFIG = ["--job.config_file", "train_configs/debug_model.toml"]
+
+# (id, argv after CONFIG, world size, field, words the message must hold)
+CASES: list[tuple[str, list[str], int, str, str]] = [
+    # the command line
+    (
+        "unknown-no-field-eq",
+        ["--training.no_such_field=3"],
+        1,
+        "training.no_such_field",
+        "is not a field of [training]",
+    ),
+    (
+        "unknown-no-field-space",
+        ["--training.no_such_field", "3"],
+        1,
+        "training.no_such_field",
+        "is not a field of [training]",
+    ),
+    ("unknown-section", ["--trainin.steps", "3"], 1, "trainin", "did you mean 'training'"),
+    (
+        "field-in-other-section",
+        ["--training.lr", "1e-3"],
+        1,
+        "training.lr",
+        "did you mean 'optimizer.lr'",
+    ),
+    ("typo-field", ["--optimizer.beta_1", "0.9"], 1, "optimizer.beta_1", "did you mean 'beta1'"),
+    (
+        "negated-non-bool",
+        ["--no-training.steps"],
+        1,
+        "training.steps",
+        "--no- only applies to boolean fields",
+    ),
+    ("positional", ["steps=3"], 1, "<command line>", "is not an option"),
+    ("missing-value", ["--training.steps"], 1, "training.steps", "needs a value"),
+    ("int-not-int", ["--training.steps", "3.5"], 1, "training.steps", "must be an integer"),
+    ("bool-not-bool", ["--compile.enable", "maybe"], 1, "compile.enable", "must be a boolean"),
+    (
+        "choice",
+        ["--optimizer.name", "SGD"],
+        1,
+        "optimizer.name",
+        "must be one of ['AdamW', 'Adam']",
+    ),
+    ("section-as-field", ["--training", "3"], 1, "training", "is a section, not a field"),
+    # numbers
+    ("lr-nan", ["--optimizer.lr", "nan"], 1, "optimizer.lr", "must be a finite number in (0, 1]"),
+    ("lr-inf", ["--optimizer.lr", "inf"], 1, "optimizer.lr", "must be a finite number in (0, 1]"),
+    ("lr-zero", ["--optimizer.lr", "0"], 1, "optimizer.lr", "must be in (0, 1]"),
+    ("lr-huge", ["--optimizer.lr", "5"], 1, "optimizer.lr", "must be in (0, 1]"),
+    ("beta1-1.5", ["--optimizer.beta1", "1.5"], 1, "optimizer.beta1", "must be in [0, 1)"),
+    ("beta2-1", ["--optimizer.beta2", "1"], 1, "optimizer.beta2", "must be in [0, 1)"),
+    ("eps-zero", ["--optimizer.eps", "0"], 1, "optimizer.eps", "must be in (0, 1]"),
+    (
+        "weight-decay-neg",
+        ["--optimizer.weight_decay", "-0.1"],
+        1,
+        "optimizer.weight_decay",
+        "must be >= 0",
+    ),
+    (
+        "max-norm-nan",
+        ["--training.max_norm", "nan"],
+        1,
+        "training.max_norm",
+        "must be a finite number",
+    ),
+    (
+        "max-norm-inf",
+        ["--training.max_norm", "inf"],
+        1,
+        "training.max_norm",
+        "or 0 to turn clipping off",
+    ),
+    ("steps-zero", ["--training.steps", "0"], 1, "training.steps", "must be >= 1"),
+    ("seq-len-neg", ["--training.seq_len", "-1"], 1, "training.seq_len", "must be >= 1"),
+    (
+        "local-batch-zero",
+        ["--training.local_batch_size", "0"],
+        1,
+        "training.local_batch_size",
+        "must be >= 1",
+    ),
+    (
+        "global-batch-zero",
+        ["--training.global_batch_size", "0"],
+        1,
+        "training.global_batch_size",
+        "must be >= 1 or -1",
+    ),
+    ("gc-freq-neg", ["--training.gc_freq", "-1"], 1, "training.gc_freq", "must be >= 0"),
+    (
+        "warmup-neg",
+        ["--lr_scheduler.warmup_steps", "-5"],
+        1,
+        "lr_scheduler.warmup_steps",
+        "must be >= 0",
+    ),
+    (
+        "decay-ratio",
+        ["--lr_scheduler.decay_ratio", "1.5"],
+        1,
+        "lr_scheduler.decay_ratio",
+        "must be in [0, 1]",
+    ),
+    (
+        "min-lr-nan",
+        ["--lr_scheduler.min_lr_factor", "nan"],
+        1,
+        "lr_scheduler.min_lr_factor",
+        "must be a finite number in [0, 1]",
+    ),
+    (
+        "ckpt-interval-zero",
+        ["--checkpoint.interval", "0"],
+        1,
+        "checkpoint.interval",
+        "must be >= 1",
+    ),
+    (
+        "keep-latest-neg",
+        ["--checkpoint.keep_latest_k", "-1"],
+        1,
+        "checkpoint.keep_latest_k",
+        "must be >= 0",
+    ),
+    (
+        "load-step-neg",
+        ["--checkpoint.load_step", "-3"],
+        1,
+        "checkpoint.load_step",
+        "must be >= 0 or -1",
+    ),
+    ("log-freq-zero", ["--metrics.log_freq", "0"], 1, "metrics.log_freq", "must be >= 1"),
+    (
+        "leak-window",
+        ["--metrics.memory_leak_window", "5"],
+        1,
+        "metrics.memory_leak_window",
+        "must be >= 8 or 0",
+    ),
+    (
+        "leak-growth-inf",
+        ["--metrics.memory_leak_min_growth_mib", "inf"],
+        1,
+        "metrics.memory_leak_min_growth_mib",
+        "must be a finite number > 0",
+    ),
+    (
+        "timeout-zero",
+        ["--comm.train_timeout_seconds", "0"],
+        1,
+        "comm.train_timeout_seconds",
+        "must be >= 1",
+    ),
+    ("seed-neg", ["--debug.seed", "-1"], 1, "debug.seed", "must be in [0, 9223372036854775807]"),
+    (
+        "dp-shard-zero",
+        ["--parallelism.data_parallel_shard_degree", "0"],
+        1,
+        "parallelism.data_parallel_shard_degree",
+        "must be >= 1 or -1",
+    ),
+    ("validation-freq-zero", ["--validation.freq", "0"], 1, "validation.freq", "must be >= 1"),
+    (
+        "profile-freq-zero",
+        ["--profiling.profile_freq", "0"],
+        1,
+        "profiling.profile_freq",
+        "must be >= 1",
+    ),
+    # cross-field
+    (
+        "tp-3-on-2-ranks",
+        ["--parallelism.tensor_parallel_degree", "3"],
+        2,
+        "parallelism.tensor_parallel_degree",
+        "2 ranks cannot hold tp=3",
+    ),
+    ("flavor", ["--model.flavor", "huge"], 1, "model.flavor", "is not a flavor of llama3"),
+    # paths
+    (
+        "dump-folder-file",
+        ["--job.dump_folder", "{d}/a_file"],
+        1,
+        "job.dump_folder",
+        "is a regular file, not a folder",
+    ),
+    (
+        "dump-folder-under-file",
+        ["--job.dump_folder", "{d}/a_file/out"],
+        1,
+        "job.dump_folder",
+        "is under <dir>/a_file, a file, not a folder",
+    ),
+    (
+        "tb-folder-is-file",
+        ["--metrics.save_tb_folder", "{d}/a_file"],
+        1,
+        "metrics.save_tb_folder",
+        "a_file is a regular file, not a folder",
+    ),
+    (
+        "checkpoint-folder-under-file",
+        ["--checkpoint.folder", "{d}/a_file/ck"],
+        1,
+        "checkpoint.folder",
+        "is under <dir>/a_file, a file",
+    ),
+    ("dump-folder-empty", ["--job.dump_folder", ""], 1, "job.dump_folder", "must not be empty"),
+    (
+        "tokenizer-missing",
+        ["--model.tokenizer_path", "{d}/missing"],
+        1,
+        "model.tokenizer_path",
+        "does not exist",
+    ),
+    (
+        "tokenizer-corrupt",
+        ["--model.tokenizer_path", "{d}/corrupt.model"],
+        1,
+        "model.tokenizer_path",
+        "is not a tiktoken ranks file",
+    ),
+    (
+        "dataset-path-missing",
+        ["--training.dataset_path", "{d}/missing.jsonl"],
+        1,
+        "training.dataset_path",
+        "does not exist",
+    ),
+    (
+        "dataset-empty-file",
+        ["--training.dataset_path", "{d}/empty.jsonl"],
+        1,
+        "training.dataset_path",
+        "empty.jsonl: is empty",
+    ),
+    (
+        "dataset-blank-lines",
+        ["--training.dataset_path", "{d}/blank.jsonl"],
+        1,
+        "training.dataset_path",
+        "blank.jsonl: holds no records",
+    ),
+    (
+        "dataset-invalid-json",
+        ["--training.dataset_path", "{d}/bad.jsonl"],
+        1,
+        "training.dataset_path",
+        "bad.jsonl, line 3: the record is not a JSON object",
+    ),
+    (
+        "dataset-no-text-column",
+        ["--training.dataset_path", "{d}/notext.jsonl"],
+        1,
+        "training.dataset_path",
+        "notext.jsonl, line 1: the record has no 'text' field (fields: ['body'])",
+    ),
+    (
+        "dataset-not-utf8",
+        ["--training.dataset_path", "{d}/latin1.txt"],
+        1,
+        "training.dataset_path",
+        "latin1.txt, line 3: is not UTF-8 text",
+    ),
+    (
+        "dataset-no-split-files",
+        ["--training.dataset_path", "{d}/nodata"],
+        1,
+        "training.dataset_path",
+        "no data files for split 'train'",
+    ),
+    (
+        "dataset-path-like-name",
+        ["--training.dataset", "./nope.jsonl"],
+        1,
+        "training.dataset",
+        "looks like a local path but does not exist",
+    ),
+    (
+        "validation-dataset-missing",
+        ["--validation.enable", "--validation.dataset_path", "{d}/missing"],
+        1,
+        "validation.dataset_path",
+        "does not exist",
+    ),
+    (
+        "load-step-999",
+        ["--job.dump_folder", "{d}/run", "--checkpoint.enable", "--checkpoint.load_step", "999"],
+        1,
+        "checkpoint.load_step",
+        "holds no complete step-999 checkpoint",
+    ),
+    (
+        "initial-load-missing",
+        ["--checkpoint.initial_load_path", "{d}/missing"],
+        1,
+        "checkpoint.initial_load_path",
+        "is not a folder",
+    ),
+    (
+        "config-file-missing",
+        ["--job.config_file", "{d}/missing.toml"],
+        1,
+        "job.config_file",
+        "must be an existing TOML file",
+    ),
+    (
+        "config-file-syntax",
+        ["--job.config_file", "{d}/broken.toml"],
+        1,
+        "job.config_file",
+        "is not valid TOML",
+    ),
+]
+
+
+def make_bad_files(d: Path) -> None:
+    (d / "a_file").write_text("x")
+    (d / "corrupt.model").write_text("this is not base64 !!\n")
+    (d / "empty.jsonl").write_text("")
+    (d / "blank.jsonl").write_text("\n\n  \n")
+    good = json.dumps({"text": "hello"})
+    (d / "bad.jsonl").write_text(f"{good}\n{good}\n{{'text': oops}}\n")
+    (d / "notext.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
+    (d / "latin1.txt").write_bytes(b"hello world\n\ncaf\xe9 au lait\n")
+    (d / "nodata").mkdir()
+    (d / "nodata" / "validation.jsonl").write_text(good + "\n")
+    (d / "broken.toml").write_text("[training\nsteps = 3\n")
+
+
+def argv_of(args: list[str], d: Path) -> list[str]:
+    config = [] if "--job.config_file" in args else CONFIG
+    return config + [a.replace("{d}", str(d)) for a in args]
+
+
+def table() -> str:
+    """The docs table: each case's arguments and the message it gets."""
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.preflight.validate import load_config
+
+    rows = ["| input | message |", "| --- | --- |"]
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        make_bad_files(d)
+        for _id, args, world, _field, _words in CASES:
+            try:
+                load_config(argv_of(args, d), world_size=world)
+                msg = "(accepted!)"
+            except ConfigError as e:
+                msg = str(e).replace(str(d), "<dir>")
+            shown = " ".join(args).replace("{d}", "<dir>").replace("|", "\\|")
+            prefix = f"`NGPU={world}` " if world != 1 else ""
+            rows.append(f"| {prefix}`{shown}` | {msg.replace('|', chr(92) + '|')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(table() + "\n")

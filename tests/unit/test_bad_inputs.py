@@ -1,0 +1,101 @@
+"""Every bad input of docs/errors.md "Common errors" gets a ConfigError naming its field, with
+the words of the table (pure validation: no process group), and the table is in the docs. Data
+problems met while reading (past what the preflight decodes) name the file and line too."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.unit.bad_inputs import CASES, argv_of, make_bad_files
+from torchtitan.components.data_checks import DataError
+from torchtitan.components.dataloader import build_dataloader
+from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.config.errors import ConfigError
+from torchtitan.preflight.validate import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bad_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("bad")
+    make_bad_files(d)
+    return d
+
+
+def test_enough_cases_and_all_in_the_docs() -> None:
+    assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+    docs = (ROOT / "docs" / "errors.md").read_text()
+    for _id, args, _world, _field, words in CASES:
+        shown = " ".join(args).replace("{d}", "<dir>")
+        assert f"`{shown}`" in docs, f"docs/errors.md lacks {shown!r}"
+        assert words in docs, f"docs/errors.md lacks the message words {words!r}"
+
+
+@pytest.mark.parametrize(
+    ("args", "world", "field", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_input_message(
+    args: list[str],
+    world: int,
+    field: str,
+    words: str,
+    bad_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(ConfigError) as e:
+        load_config(argv_of(args, bad_dir), world_size=world)
+    assert e.value.field == field, str(e.value)
+    assert words.replace("<dir>", str(bad_dir)) in str(e.value), str(e.value)
+    assert e.value.fix, str(e.value)
+
+
+def _loader(path: Path, split: str = "train", infinite: bool = True):  # noqa: ANN202
+    tok = build_tokenizer("tests/assets/tokenizer")
+    return build_dataloader("json", str(path), tok, 16, 2, 0, 1, split=split, infinite=infinite)
+
+
+def test_reading_errors_name_file_and_line(tmp_path: Path) -> None:
+    """What the preflight does not see (it decodes the first MiB) fails the same way at run
+    time: no bare StopIteration or pyarrow error."""
+    good = json.dumps({"text": "hello world " * 20}) + "\n"
+    bad = tmp_path / "late_bad.jsonl"
+    bad.write_text(good * 3 + "{broken\n")
+    with pytest.raises(DataError, match=re.escape(f"{bad}, line 4: the record is not a JSON")) as e:
+        for _ in _loader(bad):
+            pass
+    assert e.value.field == "training.dataset_path"
+
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    with pytest.raises(DataError, match="holds no records for split 'train'"):
+        next(iter(_loader(blank)))
+
+    notext = tmp_path / "notext.jsonl"
+    notext.write_text(good * 3 + json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(DataError, match=re.escape(f"{notext}, line 4: the record has no 'text'")):
+        for _ in _loader(notext):
+            pass
+
+
+def test_offline_unknown_hub_dataset_is_one_message(tmp_path: Path) -> None:
+    """Not a preflight check (opening a hub dataset needs the network or the cache): the trainer
+    meets it while building the data, before any step, and reports one line, exit 2."""
+    # HF_DATASETS_OFFLINE is read when `datasets` is imported: a fresh process.
+    cmd = [sys.executable, "-m", "torchtitan.train", "--job.config_file"]
+    cmd += ["train_configs/debug_model.toml", "--job.dump_folder", str(tmp_path / "out")]
+    cmd += ["--training.dataset", "no-such-user/no-such-dataset"]
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    env["HOME"] = str(tmp_path)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    want = "config error: training.dataset = 'no-such-user/no-such-dataset': could not be opened"
+    assert want in proc.stderr and "OfflineModeIsEnabled" in proc.stderr
+    assert "Traceback" not in proc.stderr
