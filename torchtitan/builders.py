@@ -14,7 +14,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.dataloader import ParallelAwareDataloader, build_dataloader
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.metrics_writers import MetricWriter, build_writers
-from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.components.tokenizer import TextTokenizer
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.float8 import apply_float8
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -32,7 +32,7 @@ from torchtitan.tools.profiling import Profiling
 def build_rank_dataloader(
     cfg: JobConfig,
     dims: ParallelDims,
-    tokenizer: Tokenizer,
+    tokenizer: TextTokenizer,
     dataset: str,
     dataset_path: str | None,
     split: str,

@@ -1,0 +1,268 @@
+"""Mixture-of-Experts feed-forward shared by model families (docs/moe.md).
+
+One :class:`MoE` layer = a :class:`Router` (scores, optional group-limited top-k, score
+normalisation), routed SwiGLU experts held as stacked ``[E, ...]`` weights (:class:`Experts`) and
+optional shared experts every token runs. Dispatch is dropless: every token reaches its ``top_k``
+experts, whatever the load; tokens are sorted by expert and the experts run as one grouped GEMM
+(``torch._grouped_mm``) where the device and dtype support it (probed once), an exact per-expert
+loop elsewhere.
+
+Load balancing, both optional and combinable:
+
+* the auxiliary loss (``aux_loss_coef``): sequence-wise ``E * sum_e f_e * P_e`` (``f_e`` the share
+  of a sequence's routed slots taken by expert ``e``, ``P_e`` its mean routing probability),
+  averaged over sequences. Per-sequence, so a data-parallel split of the batch gives the same
+  mean as one process. The layer keeps it in ``aux_loss``; the trainer adds
+  :func:`collect_aux_loss` to the training loss;
+* the auxiliary-loss-free bias (``bias_update_rate``): a per-expert bias added to the scores for
+  the *selection* only; after each optimizer step :func:`update_expert_bias` moves it by
+  ``rate * sign(mean load - load)`` (under-loaded experts become more likely).
+
+``tokens_per_expert`` accumulates each expert's load on the device between updates (no host
+synchronisation per step).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "MoE",
+    "MoEArgs",
+    "collect_aux_loss",
+    "grouped_mm_supported",
+    "update_expert_bias",
+]
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """Shape and routing of one Mixture-of-Experts layer."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    expert_dim: int = 128
+    """Hidden width of each routed SwiGLU expert (``moe_intermediate_size``)."""
+    num_shared_experts: int = 0
+    """Experts every token runs, un-gated, fused into one SwiGLU of ``num * expert_dim``."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    route_norm: bool = True
+    """Rescale a token's top-k weights to sum to 1 (Qwen3-MoE's ``norm_topk_prob``)."""
+    route_scale: float = 1.0
+    n_groups: int = 1
+    """Group-limited routing: experts split into ``n_groups`` groups, a token may use only the
+    ``topk_groups`` best groups (group score: the sum of its two best scores). 1: off."""
+    topk_groups: int = 1
+    aux_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing step size; 0 disables the bias."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        if self.num_experts % self.n_groups != 0:
+            raise ValueError(f"num_experts={self.num_experts} not divisible by n_groups")
+        if self.n_groups > 1 and not (
+            1 <= self.topk_groups <= self.n_groups
+            and self.top_k <= self.topk_groups * self.num_experts // self.n_groups
+        ):
+            raise ValueError(f"topk_groups={self.topk_groups} cannot hold top_k={self.top_k}")
+
+    def num_params(self, dim: int, active: bool = False) -> int:
+        """Router + routed experts (all, or the ``top_k`` a token uses) + shared experts."""
+        routed = self.top_k if active else self.num_experts
+        swiglu = 3 * dim * self.expert_dim
+        return self.num_experts * dim + (routed + self.num_shared_experts) * swiglu
+
+
+class Router(nn.Module):
+    """Token -> (expert ids ``[T, k]``, weights ``[T, k]``, scores ``[T, E]``)."""
+
+    expert_bias: torch.Tensor
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a = self.args
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+        choose = scores.detach() + self.expert_bias if a.bias_update_rate > 0 else scores.detach()
+        if a.n_groups > 1:
+            choose = _limit_groups(choose, a.n_groups, a.topk_groups)
+        idx = choose.topk(a.top_k, dim=-1).indices
+        weights = scores.gather(-1, idx)
+        if a.route_norm:
+            weights = weights / (
+                weights.sum(-1, keepdim=True) + (a.score_func == "sigmoid") * 1e-20
+            )
+        return idx, weights * a.route_scale, scores
+
+
+def _limit_groups(scores: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """``scores`` with every expert outside a token's ``topk_groups`` best groups set to -inf."""
+    t, e = scores.shape
+    grouped = scores.view(t, n_groups, e // n_groups)
+    group_score = grouped.topk(min(2, e // n_groups), dim=-1).values.sum(-1)  # [T, G]
+    keep = torch.zeros_like(group_score, dtype=torch.bool)
+    keep.scatter_(1, group_score.topk(topk_groups, dim=-1).indices, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(t, e)
+
+
+@functools.cache
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward here and matches a loop (probed
+    once per device type and dtype: support differs across torch versions and devices)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(24, 16, generator=gen).to(device_type, dtype).requires_grad_()
+        w = torch.randn(3, 16, 16, generator=gen).to(device_type, dtype).requires_grad_()
+        offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device_type)
+        y = torch._grouped_mm(x, w, offs=offs)
+        y.backward(torch.ones_like(y))
+        ref = torch.cat([x[:8] @ w[0], x[8:] @ w[2]])
+        return bool(torch.allclose(y, ref, rtol=1e-2, atol=1e-2)) and w.grad is not None
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool):
+    """Rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert ``e``) times ``w[e]``."""
+    if grouped:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, w, offs=offs)
+    parts = torch.split(x, counts.tolist())  # the fallback: one host sync per call
+    return torch.cat([p @ w[e] for e, p in enumerate(parts)])
+
+
+class Experts(nn.Module):
+    """``E`` SwiGLU experts as stacked weights: ``w1``/``w3`` ``[E, dim, hidden]``, ``w2``
+    ``[E, hidden, dim]`` (a token's row times the matrix, no transpose)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.use_grouped_mm: bool | None = None
+        """None: decided by :func:`grouped_mm_supported`; True/False forces a path."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        grouped = self.use_grouped_mm
+        if grouped is None:
+            grouped = grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, w1, w2)
+        h = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
+        return expert_matmul(h, w2, counts, grouped)
+
+
+def _aligned(x: torch.Tensor, *ws: torch.Tensor) -> bool:
+    """grouped_mm needs every row stride to be a multiple of 16 bytes."""
+    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in (x, *ws))
+
+
+class SharedExpert(nn.Module):
+    """The shared experts: one dense SwiGLU every token runs."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """``[B, S, dim] -> [B, S, dim]``: routed experts (+ shared experts), dropless."""
+
+    tokens_per_expert: torch.Tensor
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = Experts(args.num_experts, dim, args.expert_dim)
+        self.shared: SharedExpert | None = None
+        if args.num_shared_experts > 0:
+            self.shared = SharedExpert(dim, args.num_shared_experts * args.expert_dim)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, dim = x.shape
+        flat = x.reshape(-1, dim)
+        idx, weights, scores = self.router(flat)
+        counts = torch.bincount(idx.flatten(), minlength=self.args.num_experts)
+        if self.training:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        self.aux_loss = self._aux_loss(idx, scores, bs) if self.args.aux_loss_coef > 0 else None
+        routed = self.dispatch_and_combine(flat, idx, weights.to(x.dtype), counts)
+        if self.shared is not None:
+            routed = routed + self.shared(flat)
+        return routed.view(bs, seqlen, dim)
+
+    def dispatch_and_combine(
+        self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """Sort the ``T * k`` (token, expert) slots by expert, run the experts, weight each
+        slot and sum every token's slots back in expert order."""
+        k = idx.shape[1]
+        order = idx.flatten().argsort(stable=True)
+        token = order // k
+        out = self.experts(x[token], counts) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token, out)
+
+    def _aux_loss(self, idx: torch.Tensor, scores: torch.Tensor, bs: int) -> torch.Tensor:
+        e = self.args.num_experts
+        seq = scores.view(bs, -1, e)
+        probs = seq / seq.sum(-1, keepdim=True) if self.args.score_func == "sigmoid" else seq
+        load = F.one_hot(idx.view(bs, -1), e).float().mean(1)  # [B, E]: share of slots
+        balance = e * (load * probs.mean(1)).sum(-1)  # [B], 1.0 when perfectly balanced
+        return self.args.aux_loss_coef * balance.mean()
+
+    @torch.no_grad()
+    def update_bias(self, counts: torch.Tensor) -> None:
+        """One auxiliary-loss-free step: ``bias += rate * sign(mean(counts) - counts)``."""
+        rate = self.args.bias_update_rate
+        bias = self.router.expert_bias
+        bias += rate * torch.sign(counts.mean() - counts).to(bias.dtype)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def collect_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """The sum of the MoE layers' auxiliary losses of the last forward, or None."""
+    losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+@torch.no_grad()
+def update_expert_bias(models: list[nn.Module], group: dist.ProcessGroup | None = None) -> None:
+    """After an optimizer step: sum each layer's load over ``group`` (the ranks that see
+    different tokens), step the bias of layers that use it, and reset the load counters."""
+    for model in models:
+        for layer in moe_layers(model):
+            counts = layer.tokens_per_expert
+            if layer.args.bias_update_rate > 0:
+                if group is not None and dist.get_world_size(group) > 1:
+                    counts = counts.clone()
+                    dist.all_reduce(counts, group=group)
+                layer.update_bias(counts)
+            layer.tokens_per_expert.zero_()
