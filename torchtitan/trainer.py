@@ -44,6 +44,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
 from torchtitan.models import MODELS, runtime_args
 from torchtitan.models.common.attention import document_positions, resolve_attn_backend
+from torchtitan.models.common.moe import set_aux_loss_scale, update_expert_bias
 from torchtitan.preflight.validate import pipeline_plan
 from torchtitan.tools.logging import init_logger, logger
 
@@ -126,6 +127,9 @@ class Trainer:
         self.model = self.model_parts[0]
         self.pipeline = self._build_pipeline()
         self.cp = self._build_context_parallel()
+        # MoE: the auxiliary loss is seeded in the backward with the loss's scale (docs/moe.md).
+        n_mb = self.pp_plan.n_microbatches if self.pp_plan is not None else 1
+        set_aux_loss_scale(self.model_parts, 1.0 / (n_mb * self.grad_accum_steps))
 
     def _build_loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """Cross-entropy, compiled (lazily, at its first call) when compile lists the loss."""
@@ -388,6 +392,7 @@ class Trainer:
             if self.cfg.training.max_norm > 0:
                 dist_utils.clip_grads_with_norm_(params, self.cfg.training.max_norm, grad_norm)
             self.optimizer.step()
+            update_expert_bias(self.model_parts, self.parallel_dims.get_mesh("dp_cp"))  # MoE
         else:
             self.metrics.skipped_steps = self.nonfinite.skipped_steps
         self.lr_scheduler.step()

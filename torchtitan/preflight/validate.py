@@ -114,11 +114,13 @@ def _validate_model(cfg: JobConfig) -> None:
             f"pick one of {list(spec.flavors)}",
         )
     tok = Path(cfg.model.tokenizer_path)
-    if not (tok.is_file() or (tok / "tokenizer.model").is_file()):
+    if not (
+        tok.is_file() or (tok / "tokenizer.model").is_file() or (tok / "tokenizer.json").is_file()
+    ):
         raise ConfigError(
             "model.tokenizer_path",
             cfg.model.tokenizer_path,
-            "must be a tiktoken ranks file or a folder with tokenizer.model",
+            "must be a tiktoken ranks file, a tokenizer.json, or a folder with either",
             "point it at tests/assets/tokenizer or build one with scripts/train_tokenizer.py",
         )
 

@@ -12,8 +12,11 @@ Load balancing, both optional and combinable:
 * the auxiliary loss (``aux_loss_coef``): sequence-wise ``E * sum_e f_e * P_e`` (``f_e`` the share
   of a sequence's routed slots taken by expert ``e``, ``P_e`` its mean routing probability),
   averaged over sequences. Per-sequence, so a data-parallel split of the batch gives the same
-  mean as one process. The layer keeps it in ``aux_loss``; the trainer adds
-  :func:`collect_aux_loss` to the training loss;
+  mean as one process. It enters the backward where it is computed: the layer's output carries
+  it (:class:`_AttachAuxLoss`: identity forward, the backward also seeds ``d aux = scale``), so
+  it trains every pipeline stage's routers without travelling to the last stage. ``scale`` is
+  the one the cross-entropy gets (``1 / (grad_accum x microbatches)``), set by the trainer with
+  :func:`set_aux_loss_scale`. Its detached value is summed on the device for the metrics;
 * the auxiliary-loss-free bias (``bias_update_rate``): a per-expert bias added to the scores for
   the *selection* only; after each optimizer step :func:`update_expert_bias` moves it by
   ``rate * sign(mean load - load)`` (under-loaded experts become more likely).
@@ -32,12 +35,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "MoE",
     "MoEArgs",
     "collect_aux_loss",
     "grouped_mm_supported",
+    "set_aux_loss_scale",
     "update_expert_bias",
 ]
 
@@ -200,7 +205,10 @@ class MoE(nn.Module):
         if args.num_shared_experts > 0:
             self.shared = SharedExpert(dim, args.num_shared_experts * args.expert_dim)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        self.aux_loss_scale = 1.0
+        """Gradient seed of the auxiliary loss (:func:`set_aux_loss_scale`)."""
         self.aux_loss: torch.Tensor | None = None
+        """The last forward's auxiliary loss (detached), None when the coefficient is 0."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seqlen, dim = x.shape
@@ -210,10 +218,15 @@ class MoE(nn.Module):
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-        self.aux_loss = self._aux_loss(idx, scores, bs) if self.args.aux_loss_coef > 0 else None
         routed = self.dispatch_and_combine(flat, idx, weights.to(x.dtype), counts)
         if self.shared is not None:
             routed = routed + self.shared(flat)
+        self.aux_loss = None
+        if self.args.aux_loss_coef > 0:
+            aux = self._aux_loss(idx, scores, bs)
+            self.aux_loss = aux.detach()
+            if torch.is_grad_enabled():
+                routed = _AttachAuxLoss.apply(routed, aux, self.aux_loss_scale)
         return routed.view(bs, seqlen, dim)
 
     def dispatch_and_combine(
@@ -243,26 +256,50 @@ class MoE(nn.Module):
         bias += rate * torch.sign(counts.mean() - counts).to(bias.dtype)
 
 
+class _AttachAuxLoss(torch.autograd.Function):
+    """``out`` unchanged; in the backward, ``aux`` receives the gradient ``scale`` as if
+    ``scale * aux`` had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def collect_aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """The sum of the MoE layers' auxiliary losses of the last forward, or None."""
+    """The sum of the MoE layers' auxiliary losses of the last forward (detached), or None."""
     losses = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
     return torch.stack(losses).sum() if losses else None
 
 
+def set_aux_loss_scale(models: list[nn.Module], scale: float) -> None:
+    """The gradient seed of every MoE layer's auxiliary loss: the factor the training loss of
+    one forward gets (``1 / (grad_accum_steps x pipeline microbatches)``)."""
+    for model in models:
+        for layer in moe_layers(model):
+            layer.aux_loss_scale = scale
+
+
 @torch.no_grad()
-def update_expert_bias(models: list[nn.Module], group: dist.ProcessGroup | None = None) -> None:
-    """After an optimizer step: sum each layer's load over ``group`` (the ranks that see
-    different tokens), step the bias of layers that use it, and reset the load counters."""
+def update_expert_bias(models: list[nn.Module], mesh: DeviceMesh | None = None) -> None:
+    """After an optimizer step: sum each layer's load over ``mesh`` (the ranks that see
+    different tokens: ``dp_cp``), step the bias of layers that use it, reset the counters."""
     for model in models:
         for layer in moe_layers(model):
             counts = layer.tokens_per_expert
             if layer.args.bias_update_rate > 0:
-                if group is not None and dist.get_world_size(group) > 1:
+                if mesh is not None and mesh.size() > 1:
                     counts = counts.clone()
-                    dist.all_reduce(counts, group=group)
+                    dist.all_reduce(counts, group=mesh.get_group())
                 layer.update_bias(counts)
             layer.tokens_per_expert.zero_()
