@@ -145,7 +145,13 @@ def _moe(dim: int, n_layers: int, n_heads: int, inter: int, moe_inter: int) -> Q
         n_kv_heads=4,
         head_dim=128,
         intermediate_size=inter,
-        moe=MoEArgs(num_experts=128, top_k=8, expert_dim=moe_inter, score_func="softmax"),
+        moe=MoEArgs(
+            num_experts=128,
+            top_k=8,
+            expert_dim=moe_inter,
+            score_func="softmax",
+            aux_loss_coef=0.001,
+        ),
     )
 
 
@@ -159,7 +165,6 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
         intermediate_size=512,
         vocab_size=2048,
         max_seq_len=2048,
-        tie_word_embeddings=True,
     ),
     "debugmodel_moe": Qwen3Args(
         dim=256,
