@@ -77,3 +77,12 @@ def test_dense_fsdp2_tp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Pat
 @pytest.mark.slow
 def test_dense_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     _compare("debugmodel", tmp_path_factory, tmp_path, 2, PP2, "Qwen3 PP 2")
+
+
+EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]
+
+
+def test_moe_ep2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """EP 2 (borrowing the 2 data-parallel ranks, FSDP for the rest): 4 experts per rank,
+    tokens dispatched and combined by all-to-all with uneven splits."""
+    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 2, EP2, "Qwen3-MoE EP 2")

@@ -136,6 +136,9 @@ class Parallelism:
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """For context_parallel_method ring: how torch rotates the K/V shards between cp ranks."""
 
+    expert_parallel_degree: int = 1
+    """Expert parallel degree (MoE models): the routed experts are split over this many ranks, borrowed from data_parallel_shard_degree (which it must divide); tokens reach their experts by all-to-all. Experts are FSDP-sharded over the remaining dp_shard / ep ranks (docs/parallelisms.md)."""
+
 
 @dataclass
 class Optimizer:

@@ -20,6 +20,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_policy
+from torchtitan.distributed.expert_parallel import apply_ep
 from torchtitan.distributed.model_plan import ModelParallelPlan, submodule_or_none
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
@@ -56,6 +57,8 @@ def parallelize(
             n_rep=cp.kv_repeat,
             method=par.context_parallel_method,
         )
+    # Expert parallel: the experts become DTensors on ``ep``, left alone by FSDP.
+    experts = apply_ep(model, dims.get_mesh("ep")) if dims.ep > 1 else []
     ac = cfg.activation_checkpoint
     apply_ac(blocks, ac.mode, ac.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
@@ -73,6 +76,7 @@ def parallelize(
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             reshard_after_forward=reshard_policy(par.fsdp_reshard_after_forward, dims.pp_enabled),
+            ignored_params=set(experts),
         )
     elif dims.ddp_enabled:
         apply_ddp(model, dims.get_mesh("dp_replicate"), param_dtype, reduce_dtype)

@@ -36,6 +36,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from torchtitan.distributed.expert_parallel import run_experts, scale_grad
 
 __all__ = [
     "MoE",
@@ -163,14 +166,24 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.use_grouped_mm: bool | None = None
         """None: decided by :func:`grouped_mm_supported`; True/False forces a path."""
+        self.grad_scale = 1.0
+        """Gradient factor of expert-parallel (DTensor) weights: 1 / ep."""
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = self.w1, self.w2, self.w3
+        # Under expert parallel the weights are DTensors: this rank's experts are its shard,
+        # and their gradients are scaled by 1 / ep (distributed/expert_parallel.py).
+        w1, w2, w3 = (_local(w, self.grad_scale) for w in (self.w1, self.w2, self.w3))
         grouped = self.use_grouped_mm
         if grouped is None:
             grouped = grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, w1, w2)
         h = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
         return expert_matmul(h, w2, counts, grouped)
+
+
+def _local(w: torch.Tensor, grad_scale: float) -> torch.Tensor:
+    if not isinstance(w, DTensor):
+        return w
+    return scale_grad(w.to_local(), grad_scale)
 
 
 def _aligned(x: torch.Tensor, *ws: torch.Tensor) -> bool:
@@ -209,6 +222,21 @@ class MoE(nn.Module):
         """Gradient seed of the auxiliary loss (:func:`set_aux_loss_scale`)."""
         self.aux_loss: torch.Tensor | None = None
         """The last forward's auxiliary loss (detached), None when the coefficient is 0."""
+        self.ep_mesh: DeviceMesh | None = None
+        """Set by expert parallel (:meth:`enable_expert_parallel`)."""
+
+    def enable_expert_parallel(self, mesh: DeviceMesh) -> list[nn.Parameter]:
+        """Shard the routed experts on dimension 0 over ``mesh`` (``distributed/
+        expert_parallel.py``); returns the sharded parameters."""
+        if self.args.num_experts % mesh.size() != 0:
+            raise ValueError(f"{self.args.num_experts} experts cannot split over {mesh.size()}")
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(self.experts, name)
+            sharded = nn.Parameter(distribute_tensor(weight.data, mesh, [Shard(0)]))
+            setattr(self.experts, name, sharded)
+        self.ep_mesh = mesh
+        self.experts.grad_scale = 1.0 / mesh.size()
+        return [self.experts.w1, self.experts.w2, self.experts.w3]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seqlen, dim = x.shape
@@ -237,7 +265,11 @@ class MoE(nn.Module):
         k = idx.shape[1]
         order = idx.flatten().argsort(stable=True)
         token = order // k
-        out = self.experts(x[token], counts) * weights.flatten()[order, None]
+        if self.ep_mesh is None:
+            out = self.experts(x[token], counts)
+        else:
+            out = run_experts(x[token], counts, self.experts, self.ep_mesh)
+        out = out * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, out)
 
     def _aux_loss(self, idx: torch.Tensor, scores: torch.Tensor, bs: int) -> torch.Tensor:
