@@ -86,3 +86,30 @@ def test_moe_ep2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> No
     """EP 2 (borrowing the 2 data-parallel ranks, FSDP for the rest): 4 experts per rank,
     tokens dispatched and combined by all-to-all with uneven splits."""
     _compare("debugmodel_moe", tmp_path_factory, tmp_path, 2, EP2, "Qwen3-MoE EP 2")
+
+
+def _ep(ep: int, local_batch: int, *extra: str) -> list[str]:
+    return [
+        "--parallelism.expert_parallel_degree",
+        str(ep),
+        "--training.local_batch_size",
+        str(local_batch),
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_moe_ep2_fsdp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """4 ranks: dp_shard 4 = efsdp 2 x ep 2; the experts FSDP-sharded over efsdp."""
+    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 4, _ep(2, 2), "Qwen3-MoE EP 2 x FSDP 2")
+
+
+@pytest.mark.slow
+def test_moe_ep4(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 4, _ep(4, 2), "Qwen3-MoE EP 4")
+
+
+@pytest.mark.slow
+def test_moe_pp2_ep2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    overrides = _ep(2, 4, *PP2[:4])
+    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 4, overrides, "Qwen3-MoE PP 2 x EP 2")

@@ -3,7 +3,8 @@ experts, and tokens travel to their experts and back by all-to-all (docs/paralle
 "Expert parallel"; docs/moe.md).
 
 The ``ep`` ranks are borrowed from data parallel (``dp_shard = efsdp x ep``): they see different
-tokens, and every token can go to any expert. Model-agnostic, like every ``apply_*`` here: a
+tokens, and every token can go to any expert. With ``efsdp > 1`` the experts are FSDP-sharded
+over those remaining ranks (:func:`apply_expert_fsdp`); with ``efsdp = 1`` FSDP leaves them alone. Model-agnostic, like every ``apply_*`` here: a
 module takes part by having ``enable_expert_parallel(mesh) -> list[nn.Parameter]`` (the shared
 MoE layer does), which turns its stacked expert weights into DTensors sharded on dimension 0
 over ``mesh`` and routes its expert computation through :func:`run_experts`.
@@ -24,8 +25,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-__all__ = ["apply_ep", "run_experts", "scale_grad"]
+__all__ = ["apply_ep", "apply_expert_fsdp", "run_experts", "scale_grad"]
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
@@ -37,6 +39,27 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
         if callable(enable):
             params.extend(enable(ep_mesh))
     return params
+
+
+def apply_expert_fsdp(
+    model: nn.Module,
+    experts: list[nn.Parameter],
+    efsdp_mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    reshard_after_forward: bool,
+) -> None:
+    """FSDP over ``efsdp`` (the data-parallel ranks left beside ``ep``) for the modules holding
+    ``experts``: each expert DTensor on ``ep`` is sharded further on dimension 0, FSDP2's
+    "TP/EP" layout on the 2-D ``(efsdp, ep)`` mesh. Call before FSDP of the blocks, which then
+    skips these nested units."""
+    owned = {id(p) for p in experts}
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for module in model.modules():
+        if any(id(p) in owned for p in module.parameters(recurse=False)):
+            fully_shard(
+                module, mesh=efsdp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward
+            )
 
 
 class _ScaleGrad(torch.autograd.Function):

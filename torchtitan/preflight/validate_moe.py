@@ -55,11 +55,3 @@ def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
                 "expert parallel is built with FSDP and PP only (not yet with HSDP, CP or TP)",
                 f"set {name} = 1 or expert_parallel_degree = 1",
             )
-    if dims.dp_shard != ep:
-        raise ConfigError(
-            _FIELD,
-            ep,
-            f"must equal data_parallel_shard_degree={dims.dp_shard} for now (sharding the experts "
-            "over the remaining data-parallel ranks is not built yet)",
-            f"use {dims.dp_shard}",
-        )
