@@ -38,3 +38,29 @@ def test_qwen3_config_builds(fake_rank: None, name: str, world: int, rank: int) 
     print(f"{name} rank {rank}: {local:,} of {total:,} parameters")
     assert local == want
     assert abs(local - total / fsdp) / (total / fsdp) < 0.01
+
+
+def test_ep2_fsdp2_layout(fake_rank: None) -> None:  # noqa: F811
+    """4 ranks, ep 2: every expert weight [8, ...] is split 2 ways by ep and 2 by efsdp (FSDP2's
+    EP layout on the (efsdp, ep) mesh); everything else is FSDP over all 4 ranks."""
+    from tests.unit.test_big_configs import ROOT
+    from torchtitan.config import parse_args
+    from torchtitan.preflight.validate import validate_config
+
+    argv = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml")]
+    argv += ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+    argv += ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]
+    cfg = parse_args(argv)
+    validate_config(cfg, world_size=4)
+    _, parts, _ = _build_rank(cfg, 4, rank=3)
+    experts = 0
+    for raw, p in parts[0].named_parameters():
+        assert isinstance(p, DTensor)
+        names = p.device_mesh.mesh_dim_names
+        if ".experts.w" in raw:
+            experts += 1
+            assert names == ("efsdp", "ep"), (raw, names)
+            assert p.shape[0] == 8 and p.to_local().shape[0] == 2, (raw, p.to_local().shape)
+        else:
+            assert names == ("dp_shard_cp",), (raw, names)
+    assert experts == 3 * 4  # w1 w2 w3 in 4 MoE blocks
