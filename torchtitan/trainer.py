@@ -44,7 +44,8 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
 from torchtitan.models import MODELS, runtime_args
 from torchtitan.models.common.attention import document_positions, resolve_attn_backend
-from torchtitan.models.common.moe import set_aux_loss_scale, update_expert_bias
+from torchtitan.models.common.moe import moe_overrides, set_aux_loss_scale, update_expert_bias
+from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
 from torchtitan.preflight.validate import pipeline_plan
 from torchtitan.tools.logging import init_logger, logger
 
@@ -106,6 +107,7 @@ class Trainer:
         self.model_args = runtime_args(
             self.spec, cfg.model.flavor, self.tokenizer.vocab_size, cfg.training.seq_len, backend
         )
+        self.model_args = moe_overrides(self.model_args, cfg.model)  # model.moe_* (docs/moe.md)
         model = build_meta_model(cfg, self.spec, self.model_args, dims, self.device)
         self.loss_fn = self._build_loss_fn()
         self.param_dtype = dist_utils.resolve_dtype(
@@ -225,6 +227,9 @@ class Trainer:
         self.metrics, writers = build_metrics(
             cfg, self.parallel_dims, self.pp_plan, self.device, self.rank, flops, peak
         )
+        moe_load = ExpertLoadMetrics(self.model_parts, self.parallel_dims.get_mesh("dp_cp"))
+        if moe_load:  # per-layer expert load and aux loss at log steps (docs/moe.md)
+            self.metrics.extra_fields.append(moe_load)
         self.nonfinite = NonFiniteGuard(
             cfg.training.nonfinite_policy, rank=self.rank, stage_ids=self.pp_stage_ids or None
         )

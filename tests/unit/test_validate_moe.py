@@ -69,3 +69,11 @@ def test_good_expert_parallel() -> None:
     _check(
         [*MOE, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"], 4
     )
+
+
+def test_moe_overrides_need_an_moe_flavor() -> None:
+    with pytest.raises(ConfigError, match="model.moe_aux_loss_coef.*needs an MoE flavor"):
+        _check(["--model.moe_aux_loss_coef", "0.1"], 1)
+    with pytest.raises(ConfigError, match="model.moe_bias_update_rate.*>= 0"):
+        _check([*MOE, "--model.moe_bias_update_rate", "-0.5"], 1)
+    _check([*MOE, "--model.moe_aux_loss_coef", "0", "--model.moe_bias_update_rate", "0.001"], 1)

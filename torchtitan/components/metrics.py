@@ -9,6 +9,7 @@ over the data-parallel (and CP) ranks in one all-reduce and moved to the host.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +107,8 @@ class MetricsProcessor:
         self.skipped_steps = 0  # optimizer steps skipped for non-finite values (set by trainer)
         self._steps_since_log = 0
         self.loss = LossTracker(device)
+        # More metrics sources, each ``() -> (fields, text)`` called at log steps (MoE load).
+        self.extra_fields: list[Callable[[], tuple[dict[str, float | int | None], str]]] = []
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
         self.tokens_since_log = 0
         self.train_start = time.perf_counter()
@@ -175,6 +178,10 @@ class MetricsProcessor:
         metrics.update(mem.as_dict(prefix="memory/"))
         obs, obs_txt = self.observability_fields(step_time, mem.peak_gib)
         metrics.update(obs)
+        for source in self.extra_fields:
+            extra, extra_txt = source()
+            metrics.update(extra)
+            obs_txt += extra_txt
         mfu_txt = f"  mfu {mfu:5.2f}%" if mfu is not None else ""
         if mem.device_type == "cuda":
             mem_txt = (

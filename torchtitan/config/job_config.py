@@ -46,6 +46,12 @@ class Model:
     attn_backend: Literal["auto", "sdpa", "flex"] = "auto"
     """Kernel for block_causal attention: sdpa (a dense boolean mask, exact, any device), flex (FlexAttention with a block mask built once per batch; CUDA, skips blocks between documents) or auto (flex on CUDA without context parallel, else sdpa). Causal attention always uses SDPA."""
 
+    moe_aux_loss_coef: float = -1.0
+    """MoE flavors: coefficient of the load-balancing auxiliary loss (0 turns it off); -1 keeps the flavor's (docs/moe.md)."""
+
+    moe_bias_update_rate: float = -1.0
+    """MoE flavors: step of the auxiliary-loss-free routing bias per optimizer step (0 turns it off); -1 keeps the flavor's."""
+
 
 @dataclass
 class Training:

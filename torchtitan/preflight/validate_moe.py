@@ -11,8 +11,14 @@ _FIELD = "parallelism.expert_parallel_degree"
 
 
 def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
-    """EP needs an MoE flavor whose expert count it divides, and borrows its ranks from
-    dp_shard (which it must divide); the layouts not built yet are refused by name."""
+    """The MoE overrides need an MoE flavor; EP needs one whose expert count it divides, and
+    borrows its ranks from dp_shard (which it must divide); layouts not built yet are refused."""
+    moe = getattr(MODELS[cfg.model.name].flavors[cfg.model.flavor], "moe", None)
+    for name in ("moe_aux_loss_coef", "moe_bias_update_rate"):
+        value = getattr(cfg.model, name)
+        if value != -1.0 and (value < 0 or moe is None):
+            rule = "must be >= 0 (or -1: the flavor's)" if value < 0 else "needs an MoE flavor"
+            raise ConfigError(f"model.{name}", value, rule, "remove it, or pick an MoE flavor")
     ep = cfg.parallelism.expert_parallel_degree
     if ep < 1:
         raise ConfigError(
@@ -20,7 +26,6 @@ def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
         )
     if ep == 1:
         return
-    moe = getattr(MODELS[cfg.model.name].flavors[cfg.model.flavor], "moe", None)
     if moe is None:
         raise ConfigError(
             _FIELD,

@@ -27,9 +27,10 @@ synchronisation per step).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ __all__ = [
     "MoEArgs",
     "collect_aux_loss",
     "grouped_mm_supported",
+    "moe_overrides",
     "set_aux_loss_scale",
     "update_expert_bias",
 ]
@@ -208,6 +210,8 @@ class MoE(nn.Module):
     """``[B, S, dim] -> [B, S, dim]``: routed experts (+ shared experts), dropless."""
 
     tokens_per_expert: torch.Tensor
+    load_since_log: torch.Tensor
+    aux_since_log: torch.Tensor
 
     def __init__(self, dim: int, args: MoEArgs) -> None:
         super().__init__()
@@ -218,6 +222,9 @@ class MoE(nn.Module):
         if args.num_shared_experts > 0:
             self.shared = SharedExpert(dim, args.num_shared_experts * args.expert_dim)
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts), persistent=False)
+        # Since the last log step, for the metrics (moe_metrics.py): load and aux-loss sum.
+        self.register_buffer("load_since_log", torch.zeros(args.num_experts), persistent=False)
+        self.register_buffer("aux_since_log", torch.zeros(2), persistent=False)  # sum, count
         self.aux_loss_scale = 1.0
         """Gradient seed of the auxiliary loss (:func:`set_aux_loss_scale`)."""
         self.aux_loss: torch.Tensor | None = None
@@ -246,6 +253,7 @@ class MoE(nn.Module):
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+                self.load_since_log += counts.to(self.load_since_log.dtype)
         routed = self.dispatch_and_combine(flat, idx, weights.to(x.dtype), counts)
         if self.shared is not None:
             routed = routed + self.shared(flat)
@@ -253,6 +261,8 @@ class MoE(nn.Module):
         if self.args.aux_loss_coef > 0:
             aux = self._aux_loss(idx, scores, bs)
             self.aux_loss = aux.detach()
+            if self.training:
+                self.aux_since_log += torch.stack([self.aux_loss, torch.ones_like(self.aux_loss)])
             if torch.is_grad_enabled():
                 routed = _AttachAuxLoss.apply(routed, aux, self.aux_loss_scale)
         return routed.view(bs, seqlen, dim)
@@ -302,6 +312,20 @@ class _AttachAuxLoss(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:  # type: ignore[override]
         shape, dtype, device = ctx.aux_meta
         return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def moe_overrides(args: Any, model_cfg: Any) -> Any:
+    """``args`` with ``model.moe_aux_loss_coef`` / ``model.moe_bias_update_rate`` applied to its
+    ``moe`` field where they are set (>= 0); preflight refuses them for a model without one."""
+    moe = getattr(args, "moe", None)
+    changes = {
+        "aux_loss_coef": model_cfg.moe_aux_loss_coef,
+        "bias_update_rate": model_cfg.moe_bias_update_rate,
+    }
+    changes = {k: v for k, v in changes.items() if v >= 0}
+    if moe is None or not changes:
+        return args
+    return dataclasses.replace(args, moe=dataclasses.replace(moe, **changes))
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -191,6 +191,8 @@ class Transformer(nn.Module):
             if isinstance(module, MoE):
                 module.router.expert_bias.zero_()
                 module.tokens_per_expert.zero_()
+                module.load_since_log.zero_()
+                module.aux_since_log.zero_()
 
     def _rule(self, fqn: str) -> ParamInit:
         a = self.args
