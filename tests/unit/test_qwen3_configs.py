@@ -64,3 +64,21 @@ def test_ep2_fsdp2_layout(fake_rank: None) -> None:  # noqa: F811
         else:
             assert names == ("dp_shard_cp",), (raw, names)
     assert experts == 3 * 4  # w1 w2 w3 in 4 MoE blocks
+
+
+def test_explain_moe_lines() -> None:
+    """--job.explain of the 30B-A3B config with EP 8 on 16 ranks: closed-form expert figures."""
+    from tests.unit.test_big_configs import ROOT
+    from torchtitan.config import parse_args
+    from torchtitan.plan.explain import explain
+
+    path = str(ROOT / "train_configs" / "qwen3_30b_a3b.toml")
+    cfg = parse_args(["--job.config_file", path, "--parallelism.expert_parallel_degree", "8"])
+    text = explain(cfg, 16, device_type="cuda")
+    print(text)
+    assert "48 MoE layers x 128 experts (top-8" in text
+    assert "16 experts per layer (ep=8), sharded over efsdp=2" in text
+    # 48 x 128 x 3 x 2048 x 768 / 16 = 1,811.9 M; x 16 bytes = 27.0 GiB
+    assert "1,811.9 M expert parameters, 27.00 GiB" in text
+    # 4096 tokens x top-8 x 2048 x 2 bytes (bf16) x 7/8 = 112 MiB one way, per layer
+    assert "112.0 MiB sent per MoE layer" in text
