@@ -48,6 +48,7 @@ def _compare(
     assert_grad_norms_match(ref, got, label)
 
 
+@pytest.mark.slow
 def test_moe_fsdp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     overrides = ["--training.local_batch_size", "4"]
     _compare("debugmodel_moe", tmp_path_factory, tmp_path, 2, overrides, "Qwen3-MoE FSDP 2")
