@@ -114,3 +114,16 @@ def test_moe_ep4(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> No
 def test_moe_pp2_ep2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     overrides = _ep(2, 4, *PP2[:4])
     _compare("debugmodel_moe", tmp_path_factory, tmp_path, 4, overrides, "Qwen3-MoE PP 2 x EP 2")
+
+
+@pytest.mark.slow
+def test_moe_tp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """MoE blocks whole on both TP ranks (ReplicateParallel), attention split by heads."""
+    overrides = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]
+    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 2, overrides, "Qwen3-MoE TP 2")
+
+
+@pytest.mark.slow
+def test_moe_ep2_tp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    overrides = _ep(2, 4, "--parallelism.tensor_parallel_degree", "2")
+    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 4, overrides, "Qwen3-MoE EP 2 x TP 2")

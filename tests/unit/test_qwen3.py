@@ -72,10 +72,11 @@ def test_spec_counts_and_plan_paths(flavor: str) -> None:
             blocks["0"].get_submodule(path)
     assert plan.context_parallel is not None
     blocks["0"].get_submodule(plan.context_parallel.attention_core)
-    # MoE blocks have no TP layout: any degree above 1 is refused by name.
-    assert ("moe_blocks_have_no_tp_layout" in plan.tensor_parallel.divisible) == (
-        args.moe is not None
-    )
+    # MoE blocks run whole on every TP rank; a flavor mixing dense and MoE blocks is refused.
+    style = type(plan.tensor_parallel.block["feed_forward"]).__name__
+    assert style == ("ReplicateParallel" if args.moe is not None else "PrepareModuleInput")
+    mixed = MODELS["qwen3"].parallel_plan(MOE)  # moe_layers=(0, 2)
+    assert "moe_blocks_have_no_tp_layout" in mixed.tensor_parallel.divisible
 
 
 def _model(args: Qwen3Args, seed: int) -> Transformer:

@@ -46,13 +46,7 @@ def _check(argv: list[str], world: int) -> None:
             ],
             4,
             "data_parallel_replicate_degree",
-            "FSDP and PP only",
-        ),
-        (
-            [*MOE, "--parallelism.tensor_parallel_degree", "2"],
-            2,
-            "tensor_parallel_degree",
-            "moe_blocks_have_no_tp_layout",
+            "FSDP, TP and PP only",
         ),
     ],
 )

@@ -37,6 +37,9 @@ def parallelize(
     """``model`` with the parallelisms of ``dims`` and the speed features of ``cfg`` applied."""
     blocks = plan.blocks_of(model)
     par = cfg.parallelism
+    # Expert parallel first: the experts become DTensors on ``ep`` (TP leaves DTensors alone,
+    # FSDP shards them over efsdp or leaves them alone).
+    experts = apply_ep(model, dims.get_mesh("ep")) if dims.ep > 1 else []
     if dims.tp_enabled:
         apply_tp(
             model,
@@ -57,8 +60,6 @@ def parallelize(
             n_rep=cp.kv_repeat,
             method=par.context_parallel_method,
         )
-    # Expert parallel: the experts become DTensors on ``ep``, left alone by FSDP.
-    experts = apply_ep(model, dims.get_mesh("ep")) if dims.ep > 1 else []
     ac = cfg.activation_checkpoint
     apply_ac(blocks, ac.mode, ac.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:

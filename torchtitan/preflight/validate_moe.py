@@ -50,13 +50,12 @@ def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
     unsupported = {
         "data_parallel_replicate_degree": dims.dp_replicate,
         "context_parallel_degree": dims.cp,
-        "tensor_parallel_degree": dims.tp,
     }
     for name, degree in unsupported.items():
         if degree > 1:
             raise ConfigError(
                 f"parallelism.{name}",
                 degree,
-                "expert parallel is built with FSDP and PP only (not yet with HSDP, CP or TP)",
+                "expert parallel is built with FSDP, TP and PP only (not yet with HSDP or CP)",
                 f"set {name} = 1 or expert_parallel_degree = 1",
             )

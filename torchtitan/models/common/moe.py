@@ -105,7 +105,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         a = self.args
-        logits = self.gate(x).float()
+        logits = F.linear(x, _local(self.gate.weight, 1.0)).float()
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
         choose = scores.detach() + self.expert_bias if a.bias_update_rate > 0 else scores.detach()
         if a.n_groups > 1:
@@ -183,9 +183,12 @@ class Experts(nn.Module):
 
 
 def _local(w: torch.Tensor, grad_scale: float) -> torch.Tensor:
+    """A weight's local values: expert-parallel shards (gradient scaled by ``grad_scale``) and
+    tensor-parallel replicas (``distributed/replicate_parallel.py``) compute locally."""
     if not isinstance(w, DTensor):
         return w
-    return scale_grad(w.to_local(), grad_scale)
+    local = w.to_local()
+    return local if grad_scale == 1.0 else scale_grad(local, grad_scale)
 
 
 def _aligned(x: torch.Tensor, *ws: torch.Tensor) -> bool:
@@ -203,7 +206,8 @@ class SharedExpert(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        w1, w2, w3 = (_local(m.weight, 1.0) for m in (self.w1, self.w2, self.w3))
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 class MoE(nn.Module):

@@ -6,9 +6,11 @@ rank's heads (dimension 2). ``SequenceParallel(sequence_dim=2)`` reads them as `
 DTensors, so the norm weights become replicated DTensors like every other parameter and their
 gradients (partial over the heads) are reduced over ``tp``.
 
-MoE blocks have no tensor-parallel layout yet (their experts are meant for expert parallel):
-``divisible`` then holds a size of 1 named after the reason, so any TP degree above 1 is refused
-by config validation with that name (``tp_problem``).
+MoE blocks run whole on every TP rank (``ReplicateParallel``: the sequence gathered, every
+weight a replicated DTensor; the experts are split by expert parallel instead). A flavor mixing
+dense and MoE blocks has no layout (one block plan holds one of them): ``divisible`` then holds a
+size of 1 named after the reason, so any TP degree above 1 is refused by config validation with
+that name (``tp_problem``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torchtitan.distributed.model_plan import (
     TensorParallelPlan,
 )
 from torchtitan.distributed.pipeline_plan import PipelineUnit
+from torchtitan.distributed.replicate_parallel import ReplicateParallel
 from torchtitan.models.qwen3.args import Qwen3Args
 
 MOE_NO_TP = "moe_blocks_have_no_tp_layout"
@@ -68,8 +71,13 @@ def _tensor_parallel_plan(args: Qwen3Args) -> TensorParallelPlan:
         "n_kv_heads": args.n_kv_heads,
         "intermediate_size": args.intermediate_size,
     }
-    if args.moe is not None:
-        sizes[MOE_NO_TP] = 1
+    if args.moe is not None and args.moe_layers is None:
+        # Every block is MoE: it runs whole on each TP rank (experts split by EP instead).
+        block = {k: v for k, v in block.items() if not k.startswith("feed_forward")}
+        block["feed_forward"] = ReplicateParallel(sequence_dim=1)
+        del sizes["intermediate_size"]
+    elif args.moe is not None:
+        sizes[MOE_NO_TP] = 1  # dense and MoE blocks mixed: one block plan cannot hold both
     return TensorParallelPlan(root=root, block=block, output="output", divisible=sizes)
 
 
