@@ -46,12 +46,12 @@ from torchtitan.components.token_shards import (  # noqa: E402
     shard_files,
     tokenizer_identity,
 )
-from torchtitan.components.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
+from torchtitan.components.tokenizer import AnyTokenizer, build_tokenizer  # noqa: E402
 
 TOKENIZER = str(ROOT / "tests" / "assets" / "tokenizer")
 
 
-def write_synthetic_corpus(out: Path, tokenizer: Tokenizer, gib: float, shards: int = 8) -> dict:
+def write_synthetic_corpus(out: Path, tokenizer: AnyTokenizer, gib: float, shards: int = 8) -> dict:
     """``gib`` GiB of random uint16 tokens in documents of 64..4095 tokens (BOS ... EOS)."""
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
@@ -90,14 +90,14 @@ def write_synthetic_corpus(out: Path, tokenizer: Tokenizer, gib: float, shards: 
     return manifest
 
 
-def _loader(dataset: str, path: str | None, tok: Tokenizer, args, rank: int, dp: int, **kw):  # noqa: ANN001, ANN003, ANN202
+def _loader(dataset: str, path: str | None, tok: AnyTokenizer, args, rank: int, dp: int, **kw):  # noqa: ANN001, ANN003, ANN202
     return build_data_loader(
         dataset, path, tok, args.seq_len, args.batch, rank, dp, with_doc_ids=True,
         split="train", options=DataOptions(**kw),
     )  # fmt: skip
 
 
-def throughput(args: argparse.Namespace, tok: Tokenizer, tokens_dir: Path) -> list[dict]:
+def throughput(args: argparse.Namespace, tok: AnyTokenizer, tokens_dir: Path) -> list[dict]:
     rows = []
     for dp in (1, 8):
         for kind, dataset, path in (
@@ -124,7 +124,7 @@ def throughput(args: argparse.Namespace, tok: Tokenizer, tokens_dir: Path) -> li
     return rows
 
 
-def startup(args: argparse.Namespace, tok: Tokenizer, corpora: dict[str, Path]) -> list[dict]:
+def startup(args: argparse.Namespace, tok: AnyTokenizer, corpora: dict[str, Path]) -> list[dict]:
     rows = []
     for name, folder in corpora.items():
         for shuffle in ("none", "windows", "documents"):

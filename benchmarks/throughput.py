@@ -58,6 +58,7 @@ _AC_OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.
 _F8_TW = ["--quantize.dense.float8.enable", "--quantize.dense.float8.recipe_name", "tensorwise"]
 _F8_RW = ["--quantize.dense.float8.enable", "--quantize.dense.float8.recipe_name", "rowwise"]
 _BLOCK = ["--model.attn_mask_type", "block_causal"]
+_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 LADDER: list[tuple[str, list[str]]] = [
     ("eager", []),
     ("compile", _COMPILE),
@@ -75,6 +76,11 @@ LADDER: list[tuple[str, list[str]]] = [
     # path elsewhere; compare with eager / compile above.
     ("block_causal", _BLOCK),
     ("compile+block_causal", _COMPILE + _BLOCK),
+    # Qwen3 dense and MoE (docs/moe.md): 8 experts top-2 + one shared, grouped GEMM where the
+    # device supports it; MFU counts the active parameters only.
+    ("qwen3", ["--model.name", "qwen3", "--model.flavor", "debugmodel"]),
+    ("qwen3_moe", _MOE),
+    ("qwen3_moe+ac_full", _MOE + _AC_FULL),
 ]
 
 

@@ -6,9 +6,9 @@
 
 ``CKPT`` is a ``step-N`` folder written by the trainer (only its model weights are read), or the
 checkpoint root holding them (the newest valid one is used), or with ``--hf`` a Hugging Face
-folder (``config.json`` + ``*.safetensors``, read through the Llama 3 state-dict adapter). The
-model shape comes from ``--flavor`` (DCP; the vocabulary size from the weights) or from
-``config.json`` (HF). Sampling: greedy (``--temperature 0``, the default), or softmax at a
+folder (``config.json`` + ``*.safetensors``, read through the state-dict adapter of the family
+its ``model_type`` names: Llama 3, Qwen3, Qwen3-MoE). The model shape comes from ``--model``
+and ``--flavor`` (DCP; the vocabulary size from the weights) or from ``config.json`` (HF). Sampling: greedy (``--temperature 0``, the default), or softmax at a
 temperature, optionally restricted to the ``--top_k`` most likely tokens; ``--seed`` makes
 sampling reproducible. ``--no_kv_cache`` recomputes the whole prefix for every token (slow;
 it exists to check the cache). With ``--tp N`` (under torchrun, N ranks) the model is split
@@ -34,24 +34,39 @@ from torch import nn
 from torchtitan.components import checkpoint_io as io
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.distributed.utils import device_type
-from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs
+from torchtitan.models import MODELS
 from torchtitan.models.llama3.kv_cache import KVCache
-from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.state_dict_adapter import (
-    Llama3StateDictAdapter,
-    args_from_hf_config,
-)
+from torchtitan.models.llama3.state_dict_adapter import args_from_hf_config as llama3_args
+from torchtitan.models.qwen3.state_dict_adapter import args_from_hf_config as qwen3_args
+
+# Hugging Face ``model_type`` -> (our family, its config reader).
+_HF_FAMILIES = {
+    "llama": ("llama3", llama3_args),
+    "qwen3": ("qwen3", qwen3_args),
+    "qwen3_moe": ("qwen3", qwen3_args),
+}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # ---------------------------------------------------------------- weights
-def load_weights(path: Path, hf: bool, flavor: str) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """Model args and the full (unsharded) native state dict of a checkpoint, in this process."""
+def load_weights(
+    path: Path, hf: bool, flavor: str, model: str = "llama3"
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Model args and the full (unsharded) native state dict of a checkpoint, in this process.
+    HF folders name their family in ``config.json`` (``model_type``); DCP ones need ``model``."""
     if hf:
         config, hf_sd = io.read_hf_folder(path)
-        args = args_from_hf_config(config)
-        return args, Llama3StateDictAdapter(args).from_hf(hf_sd)
+        model_type = config.get("model_type", "llama")
+        if model_type not in _HF_FAMILIES:
+            raise ValueError(
+                f"{path}: model_type {model_type!r} is not one of {list(_HF_FAMILIES)}"
+            )
+        family, read_args = _HF_FAMILIES[model_type]
+        args = read_args(config)
+        adapter = MODELS[family].state_dict_adapter(args)
+        assert adapter is not None
+        return args, adapter.from_hf(hf_sd)
     if not (path / ".metadata").is_file():  # the checkpoint root: take the newest valid step
         found = io.find_checkpoint(path, skip_exports=False)  # the final export is the model
         if found is None:
@@ -61,21 +76,24 @@ def load_weights(path: Path, hf: bool, flavor: str) -> tuple[ModelArgs, dict[str
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         sd = io.read_model_weights(path)
     args = dataclasses.replace(
-        LLAMA3_FLAVORS[flavor], vocab_size=sd["tok_embeddings.weight"].shape[0]
+        MODELS[model].flavors[flavor], vocab_size=sd["tok_embeddings.weight"].shape[0]
     )
     return args, sd
 
 
 def build_model(
-    args: ModelArgs,
+    args: Any,
     sd: dict[str, torch.Tensor],
     device: torch.device,
     dtype: torch.dtype,
     tp: int = 1,
+    model_name: str = "llama3",
 ) -> nn.Module:
-    """The model with ``sd`` loaded, in eval mode; split over a ``tp`` mesh when ``tp > 1``."""
+    """The model with ``sd`` loaded, in eval mode; split over a ``tp`` mesh when ``tp > 1``.
+    ``model_name``: the family (``MODELS``) that ``args`` belong to."""
+    spec = MODELS[model_name]
     with torch.device("meta"):
-        model = Transformer(args)
+        model = spec.build(args)
     if tp > 1:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -84,12 +102,11 @@ def build_model(
         from torch.distributed.device_mesh import init_device_mesh
 
         from torchtitan.distributed.tensor_parallel import apply_tp
-        from torchtitan.models.llama3.parallel_plan import llama3_parallel_plan
 
         mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
         # Logits gathered to every rank (no loss parallel): each rank samples from them.
-        tp_plan = llama3_parallel_plan(args).tensor_parallel
-        apply_tp(model, model.layers, mesh, tp_plan, loss_parallel=False)
+        plan = spec.parallel_plan(args)
+        apply_tp(model, plan.blocks_of(model), mesh, plan.tensor_parallel, loss_parallel=False)
         model.to_empty(device=device)
         # Every rank holds the full weights and keeps its shards.
         full: dict[str, Any] = dict(sd)
@@ -169,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("checkpoint", type=Path, help="step-N folder, checkpoint root, or HF folder")
     p.add_argument("--hf", action="store_true", help="the checkpoint is a Hugging Face folder")
-    p.add_argument("--flavor", default="debugmodel", choices=sorted(LLAMA3_FLAVORS))
+    p.add_argument("--model", default="llama3", choices=sorted(MODELS), help="family (DCP)")
+    p.add_argument("--flavor", default="debugmodel", help="a flavor of --model (DCP)")
     p.add_argument("--tokenizer", default="tests/assets/tokenizer", help="model.tokenizer_path")
     p.add_argument("--prompt", default="", help="text to continue (BOS is prepended)")
     p.add_argument("--max_new_tokens", type=int, default=64)
@@ -209,14 +227,19 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     tokenizer = build_tokenizer(a.tokenizer)
-    args, sd = load_weights(a.checkpoint, a.hf, a.flavor)
+    if not a.hf and a.flavor not in MODELS[a.model].flavors:
+        p.error(f"--flavor {a.flavor} is not one of {sorted(MODELS[a.model].flavors)}")
+    args, sd = load_weights(a.checkpoint, a.hf, a.flavor, a.model)
+    if a.hf:  # the family comes from config.json
+        config = json.loads((a.checkpoint / "config.json").read_text())
+        a.model = _HF_FAMILIES[config.get("model_type", "llama")][0]
     if tokenizer.vocab_size > args.vocab_size:
         p.error(
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {args.vocab_size}"
         )
     ids = tokenizer.encode(a.prompt, bos=True, eos=False)
     args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, len(ids) + a.max_new_tokens))
-    model = build_model(args, sd, device, dtype, tp=a.tp)
+    model = build_model(args, sd, device, dtype, tp=a.tp, model_name=a.model)
     del sd
 
     prompt = torch.tensor([ids], dtype=torch.long, device=device)

@@ -18,7 +18,7 @@ from torchtitan.components.data_builder import DataOptions, build_data_loader
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.metrics_writers import MetricWriter, build_writers
-from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.components.tokenizer import AnyTokenizer
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.float8 import apply_float8
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -37,7 +37,7 @@ from torchtitan.tools.stragglers import StragglerFlag
 def build_rank_dataloader(
     cfg: JobConfig,
     dims: ParallelDims,
-    tokenizer: Tokenizer,
+    tokenizer: AnyTokenizer,
     dataset: str,
     dataset_path: str | None,
     split: str,
@@ -67,7 +67,7 @@ def build_rank_dataloader(
 def build_chat_dataloader(
     cfg: JobConfig,
     path: str | None,
-    tokenizer: Tokenizer,
+    tokenizer: AnyTokenizer,
     dp_mesh: DeviceMesh,
     infinite: bool,
 ) -> ParallelAwareDataloader:

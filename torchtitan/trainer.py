@@ -46,6 +46,8 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
 from torchtitan.models import MODELS, runtime_args
 from torchtitan.models.common.attention import document_positions, resolve_attn_backend
+from torchtitan.models.common.moe import moe_overrides, set_aux_loss_scale, update_expert_bias
+from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
 from torchtitan.preflight.validate import pipeline_plan
 from torchtitan.tools.fault_injection import parse_faults
 from torchtitan.tools.logging import init_logger, logger
@@ -114,6 +116,7 @@ class Trainer:
         self.model_args = runtime_args(
             self.spec, cfg.model.flavor, self.tokenizer.vocab_size, cfg.training.seq_len, backend
         )
+        self.model_args = moe_overrides(self.model_args, cfg.model)  # model.moe_* (docs/moe.md)
         model = build_meta_model(cfg, self.spec, self.model_args, dims, self.device)
         self.loss_fn = self._build_loss_fn()
         self.param_dtype = dist_utils.resolve_dtype(
@@ -135,6 +138,9 @@ class Trainer:
         self.model = self.model_parts[0]
         self.pipeline = self._build_pipeline()
         self.cp = self._build_context_parallel()
+        # MoE: the auxiliary loss is seeded in the backward with the loss's scale (docs/moe.md).
+        n_mb = self.pp_plan.n_microbatches if self.pp_plan is not None else 1
+        set_aux_loss_scale(self.model_parts, 1.0 / (n_mb * self.grad_accum_steps))
 
     def _build_loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """Summed token cross-entropy, compiled (lazily, at its first call) when compile lists
@@ -233,8 +239,12 @@ class Trainer:
         self.metrics, writers = build_metrics(
             cfg, self.parallel_dims, self.pp_plan, self.device, self.rank, flops, peak
         )
-        # A mixture reports the tokens each source has given (docs/data.md).
-        self.metrics.data_fields = getattr(self.dataloader.dataset, "metrics_fields", None)
+        mixture_tokens = getattr(self.dataloader.dataset, "metrics_fields", None)
+        if mixture_tokens is not None:  # tokens each mixture source has given (docs/data.md)
+            self.metrics.extra_fields.append(lambda: (mixture_tokens(), ""))
+        moe_load = ExpertLoadMetrics(self.model_parts, self.parallel_dims.get_mesh("dp_cp"))
+        if moe_load:  # per-layer expert load and aux loss at log steps (docs/moe.md)
+            self.metrics.extra_fields.append(moe_load)
         self.nonfinite = NonFiniteGuard(
             cfg.training.nonfinite_policy, rank=self.rank, stage_ids=self.pp_stage_ids or None
         )
@@ -450,6 +460,7 @@ class Trainer:
                 if self.cfg.training.max_norm > 0:
                     dist_utils.clip_grads_with_norm_(params, self.cfg.training.max_norm, grad_norm)
                 self.optimizer.step()
+                update_expert_bias(self.model_parts, self.parallel_dims.get_mesh("dp_cp"))  # MoE
                 self.step_guard.stepped()
             elif verdict == "skip":
                 self.step_guard.skipped(self.step, "loss spike", self.model_parts)

@@ -113,8 +113,8 @@ def test_clear_errors(tmp_path: Path) -> None:
         build_tokenizer("")
     bad = tmp_path / "tokenizer.json"
     bad.write_text('{"model": {"type": "BPE"}}')
-    with pytest.raises(ValueError, match="not a tiktoken ranks file"):
-        build_tokenizer(str(bad))
+    with pytest.raises(ValueError, match="not a Hugging Face tokenizer.json"):
+        build_tokenizer(str(bad))  # .json: read as a Hugging Face tokenizer
     gap = tmp_path / "gap.model"
     gap.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(255)))
     with pytest.raises(ValueError, match="ranks must be exactly"):

@@ -43,7 +43,7 @@ class ChatTokenizer(Protocol):
     """What the chat code needs of a tokenizer (ours, or any with the same methods)."""
 
     @property
-    def bos_id(self) -> int: ...
+    def bos_id(self) -> int | None: ...  # None: the tokenizer has no BOS (Qwen3's)
 
     @property
     def eos_id(self) -> int: ...
@@ -116,7 +116,8 @@ def tokenize_conversation(
         if template is None
         else _jinja_pieces(tokenizer, messages, template)
     )
-    ids: list[int] = [] if template is not None else [tokenizer.bos_id]
+    bos = [tokenizer.bos_id] if template is None and tokenizer.bos_id is not None else []
+    ids: list[int] = bos
     train: list[bool] = [False] * len(ids)
     for piece, trained in pieces:
         if isinstance(piece, int):
@@ -205,8 +206,11 @@ def _jinja_renderer(tokenizer: ChatTokenizer, template: str) -> Any:
     env.globals["raise_exception"] = raise_exception
     compiled = env.from_string(template)
     names = {i: s for s, i in _special_names(tokenizer).items()}
+    bos_name = getattr(tokenizer, "bos_token", None) or ""
     tokens = {
-        "bos_token": names.get(tokenizer.bos_id, getattr(tokenizer, "bos_token", "")),
+        "bos_token": bos_name
+        if tokenizer.bos_id is None
+        else names.get(tokenizer.bos_id, bos_name),
         "eos_token": names.get(tokenizer.eos_id, getattr(tokenizer, "eos_token", "")),
     }
 

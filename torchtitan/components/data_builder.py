@@ -20,7 +20,7 @@ from torchtitan.components.dataloader import (
 from torchtitan.components.mixture import MixtureDataset, Source, TextSource, TokenizedSource
 from torchtitan.components.token_shards import MANIFEST, TokenCorpus
 from torchtitan.components.tokenized_dataset import Shuffle, TokenizedDataset, WindowOrder
-from torchtitan.components.tokenizer import Tokenizer, resolve_repo_path
+from torchtitan.components.tokenizer import AnyTokenizer, resolve_repo_path
 from torchtitan.config.job_config import MixtureSource
 
 __all__ = [
@@ -54,7 +54,7 @@ def source_label(source: MixtureSource) -> str:
 
 
 def _mixture_source(
-    src: MixtureSource, tokenizer: Tokenizer, seq_len: int, opts: DataOptions
+    src: MixtureSource, tokenizer: AnyTokenizer, seq_len: int, opts: DataOptions
 ) -> Source:
     name = source_label(src)
     if is_token_corpus(src.path):
@@ -79,7 +79,7 @@ class LoaderRequest:
 
     dataset: str
     dataset_path: str | None
-    tokenizer: Tokenizer
+    tokenizer: AnyTokenizer
     seq_len: int
     dp_rank: int
     dp_world_size: int
@@ -128,7 +128,7 @@ DATASET_KINDS: dict[str, Callable[[LoaderRequest], IterableDataset]] = {
 def build_data_loader(
     dataset: str,
     dataset_path: str | None,
-    tokenizer: Tokenizer,
+    tokenizer: AnyTokenizer,
     seq_len: int,
     local_batch_size: int,
     dp_rank: int,

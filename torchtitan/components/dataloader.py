@@ -39,7 +39,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 from torchtitan.components.data_checks import DataError, DataSource, data_error
-from torchtitan.components.tokenizer import Tokenizer, resolve_repo_path
+from torchtitan.components.tokenizer import TextTokenizer, resolve_repo_path
 
 __all__ = [
     "DATASETS",
@@ -248,7 +248,7 @@ class PackedTokenDataset(IterableDataset, Stateful):
     def __init__(
         self,
         hf_dataset: HFIterableDataset,
-        tokenizer: Tokenizer,
+        tokenizer: TextTokenizer,
         seq_len: int,
         dp_rank: int = 0,
         dp_world_size: int = 1,
@@ -483,7 +483,7 @@ class ParallelAwareDataloader(StatefulDataLoader):
 def build_dataloader(
     dataset: str,
     dataset_path: str | None,
-    tokenizer: Tokenizer,
+    tokenizer: TextTokenizer,
     seq_len: int,
     local_batch_size: int,
     dp_rank: int,

@@ -108,10 +108,11 @@ class MetricsProcessor:
         self.cross_rank_view = cross_rank_view
         self.data_time = 0.0  # seconds waiting for batches since the last log (add_data_time)
         self.skipped_steps = 0  # optimizer steps skipped for non-finite values (set by trainer)
-        # Extra scalars of the data, e.g. a mixture's tokens per source (set by the trainer).
-        self.data_fields: Callable[[], dict[str, int]] | None = None
         self._steps_since_log = 0
         self.loss = LossTracker(device)
+        # More metrics sources, each ``() -> (fields, text)`` called at log steps
+        # (a mixture's tokens per source, MoE expert load; set by the trainer).
+        self.extra_fields: list[Callable[[], tuple[dict[str, float | int | None], str]]] = []
         self.grad_norm = torch.zeros((), dtype=torch.float32, device=device)
         self.tokens_since_log = 0
         self.train_start = time.perf_counter()
@@ -181,8 +182,10 @@ class MetricsProcessor:
         metrics.update(mem.as_dict(prefix="memory/"))
         obs, obs_txt = self.observability_fields(step_time, mem.peak_gib)
         metrics.update(obs)
-        if self.data_fields is not None:
-            metrics.update(self.data_fields())
+        for source in self.extra_fields:
+            extra, extra_txt = source()
+            metrics.update(extra)
+            obs_txt += extra_txt
         mfu_txt = f"  mfu {mfu:5.2f}%" if mfu is not None else ""
         if mem.device_type == "cuda":
             mem_txt = (

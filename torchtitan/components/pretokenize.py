@@ -32,7 +32,7 @@ from torchtitan.components.token_shards import (
     token_dtype,
     tokenizer_identity,
 )
-from torchtitan.components.tokenizer import Tokenizer, build_tokenizer
+from torchtitan.components.tokenizer import AnyTokenizer, build_tokenizer
 
 __all__ = ["PretokenizeJob", "pretokenize", "verify_shard"]
 
@@ -104,7 +104,7 @@ def _write_shard(job: PretokenizeJob, index: int, num_shards: int, queue: Any) -
     return marker
 
 
-def verify_shard(folder: Path, index: int, tokenizer: Tokenizer) -> dict[str, Any]:
+def verify_shard(folder: Path, index: int, tokenizer: AnyTokenizer) -> dict[str, Any]:
     """The shard's marker, after checking the files against it; a ValueError names the fault."""
     bin_path, idx_path, done_path = shard_files(folder, index)
     marker = json.loads(done_path.read_text())

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan.components.tokenizer import Tokenizer
+from torchtitan.components.tokenizer import AnyTokenizer
 
 MANIFEST = "manifest.json"
 FORMAT = "torchtitan-tokens-v1"
@@ -48,7 +48,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def tokenizer_identity(tokenizer: Tokenizer) -> dict[str, Any]:
+def tokenizer_identity(tokenizer: AnyTokenizer) -> dict[str, Any]:
     """What makes two tokenizers give the same ids: the ranks file's hash and the specials."""
     return {
         "file": tokenizer.model_path.name,
@@ -81,7 +81,7 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def check_manifest(folder: str | Path, manifest: dict[str, Any], tokenizer: Tokenizer) -> None:
+def check_manifest(folder: str | Path, manifest: dict[str, Any], tokenizer: AnyTokenizer) -> None:
     """ValueError unless the corpus was made with this tokenizer and every shard is complete."""
     ident, want = manifest["tokenizer"], tokenizer_identity(tokenizer)
     diff = [k for k in want if ident.get(k) != want[k]]
@@ -110,7 +110,7 @@ class TokenCorpus:
     never the tokens; :meth:`read` maps only the pages of the range it returns.
     """
 
-    def __init__(self, folder: str | Path, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, folder: str | Path, tokenizer: AnyTokenizer | None = None) -> None:
         self.folder = Path(folder)
         self.manifest = manifest = read_manifest(folder)
         if tokenizer is not None:

@@ -17,9 +17,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
+
+from torchtitan.components.hf_tokenizer import HF_TOKENIZER_FILENAME, HFTokenizer
 
 __all__ = [
     "BOS_TOKEN",
@@ -27,6 +30,7 @@ __all__ = [
     "NUM_RESERVED_SPECIAL_TOKENS",
     "SPLIT_PATTERN",
     "TOKENIZER_FILENAME",
+    "TextTokenizer",
     "Tokenizer",
     "build_tokenizer",
     "resolve_repo_path",
@@ -56,6 +60,25 @@ _TRAIN_HINT = (
     "or point `model.tokenizer_path` at an existing tiktoken ranks file "
     "(the shipped test tokenizer is tests/assets/tokenizer)."
 )
+
+
+class TextTokenizer(Protocol):
+    """What the data pipeline and generation use of a tokenizer: the tiktoken
+    :class:`Tokenizer` and the Hugging Face ``HFTokenizer`` both satisfy it."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]: ...
+
+    def encode_batch(
+        self, texts: list[str], bos: bool = True, eos: bool = True
+    ) -> list[list[int]]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
 
 
 def resolve_repo_path(path: str | Path) -> Path:
@@ -88,7 +111,7 @@ class Tokenizer:
         except ValueError as e:
             raise ValueError(
                 f"{self.model_path} is not a tiktoken ranks file (expected lines of "
-                f"'<base64 token> <rank>'; HF tokenizer.json files are not supported). "
+                f"'<base64 token> <rank>'; a HF tokenizer.json must end in .json). "
                 f"{_TRAIN_HINT}"
             ) from e
         n = len(ranks)
@@ -154,8 +177,10 @@ class Tokenizer:
         return f"Tokenizer(path={str(self.model_path)!r}, vocab_size={self.vocab_size})"
 
 
-def build_tokenizer(path: str | Path | None) -> Tokenizer:
-    """Tokenizer from ``path``: a ranks file, or a directory holding ``tokenizer.model``.
+def build_tokenizer(path: str | Path | None) -> Tokenizer | HFTokenizer:
+    """Tokenizer from ``path``: a ranks file, or a directory holding ``tokenizer.model``; a
+    Hugging Face ``tokenizer.json`` (or a directory holding one and no ``tokenizer.model``)
+    gives an :class:`HFTokenizer` (``components/hf_tokenizer.py``).
 
     A relative path that does not exist from the working directory is looked up under the
     repository root. Raises ``FileNotFoundError`` (missing) or ``ValueError`` (empty path or not
@@ -166,10 +191,13 @@ def build_tokenizer(path: str | Path | None) -> Tokenizer:
     resolved = resolve_repo_path(path)
     if resolved.is_dir():
         candidate = resolved / TOKENIZER_FILENAME
+        if not candidate.is_file() and (resolved / HF_TOKENIZER_FILENAME).is_file():
+            return HFTokenizer(resolved / HF_TOKENIZER_FILENAME)
         if not candidate.is_file():
             raise FileNotFoundError(
                 f"model.tokenizer_path={str(path)!r} is a directory without a "
-                f"{TOKENIZER_FILENAME} (looked for {candidate}). {_TRAIN_HINT}"
+                f"{TOKENIZER_FILENAME} or {HF_TOKENIZER_FILENAME} (looked for {candidate}). "
+                f"{_TRAIN_HINT}"
             )
         resolved = candidate
     elif not resolved.is_file():
@@ -177,4 +205,10 @@ def build_tokenizer(path: str | Path | None) -> Tokenizer:
             f"model.tokenizer_path={str(path)!r} does not exist (looked in the working directory "
             f"and the repository root). {_TRAIN_HINT}"
         )
+    if resolved.suffix == ".json":
+        return HFTokenizer(resolved)
     return Tokenizer(resolved)
+
+
+AnyTokenizer = Tokenizer | HFTokenizer
+"""What ``build_tokenizer`` returns: a tiktoken ranks file or a Hugging Face tokenizer.json."""

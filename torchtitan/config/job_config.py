@@ -46,6 +46,12 @@ class Model:
     attn_backend: Literal["auto", "sdpa", "flex"] = "auto"
     """Kernel for block_causal attention: sdpa (a dense boolean mask, exact, any device), flex (FlexAttention with a block mask built once per batch; CUDA, skips blocks between documents) or auto (flex on CUDA without context parallel, else sdpa). Causal attention always uses SDPA."""
 
+    moe_aux_loss_coef: float = -1.0
+    """MoE flavors: coefficient of the load-balancing auxiliary loss (0 turns it off); -1 keeps the flavor's (docs/moe.md)."""
+
+    moe_bias_update_rate: float = -1.0
+    """MoE flavors: step of the auxiliary-loss-free routing bias per optimizer step (0 turns it off); -1 keeps the flavor's."""
+
 
 @dataclass
 class MixtureSource:
@@ -171,6 +177,9 @@ class Parallelism:
 
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """For context_parallel_method ring: how torch rotates the K/V shards between cp ranks."""
+
+    expert_parallel_degree: int = 1
+    """Expert parallel degree (MoE models): the routed experts are split over this many ranks, borrowed from data_parallel_shard_degree (which it must divide); tokens reach their experts by all-to-all. Experts are FSDP-sharded over the remaining dp_shard / ep ranks (docs/parallelisms.md)."""
 
 
 @dataclass

@@ -31,17 +31,26 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard ``model`` with FSDP2: one unit per module of ``units`` (the blocks), plus the root.
 
     ``dp_mesh`` is 1-D (FSDP over dp_shard x cp) or 2-D (HSDP: replicate x shard). The root unit
     holds what no unit took (embedding, final norm, output); it is not resharded after forward
-    because its parameters are used again right at the start of backward.
+    because its parameters are used again right at the start of backward. ``ignored_params``
+    (expert-parallel experts) stay as they are.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    ign = ignored_params or None
     for unit in units:
-        fully_shard(unit, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(
+            unit,
+            mesh=dp_mesh,
+            mp_policy=mp,
+            reshard_after_forward=reshard_after_forward,
+            ignored_params=ign,
+        )
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ign)
 
 
 def apply_ddp(

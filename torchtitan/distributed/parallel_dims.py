@@ -68,6 +68,8 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
+    """Expert parallel: a split of ``dp_shard`` (the ``ep`` and ``efsdp`` meshes, docs/parallelisms.md)."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
@@ -81,6 +83,7 @@ class ParallelDims:
             tp=p.tensor_parallel_degree,
             pp=p.pipeline_parallel_degree,
             world_size=world_size,
+            ep=p.expert_parallel_degree,
         )
 
     def __post_init__(self) -> None:
@@ -215,11 +218,17 @@ class ParallelDims:
             "dp_shard_cp": mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp"),
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp"),
         }
+        if self.ep > 1:  # dp_shard = efsdp x ep, ep innermost (docs/parallelisms.md)
+            split = mesh["dp_shard"]._unflatten(
+                0, (self.dp_shard // self.ep, self.ep), ("efsdp", "ep")
+            )
+            self._flat.update(ep=split["ep"], efsdp=split["efsdp"])
         self._mesh = mesh
         return mesh
 
     def get_mesh(self, name: str) -> DeviceMesh:
-        """A 1-D mesh: one of AXES, or a flattened view (dp, dp_shard_cp, dp_cp)."""
+        """A 1-D mesh: one of AXES, or a flattened view (dp, dp_shard_cp, dp_cp), or with expert
+        parallel ``ep`` / ``efsdp`` (the two factors of dp_shard)."""
         if name in self._flat:
             return self._flat[name]
         return self.world_mesh[name]

@@ -20,6 +20,7 @@ from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_policy
+from torchtitan.distributed.expert_parallel import apply_ep, apply_expert_fsdp
 from torchtitan.distributed.model_plan import ModelParallelPlan, submodule_or_none
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
@@ -36,6 +37,9 @@ def parallelize(
     """``model`` with the parallelisms of ``dims`` and the speed features of ``cfg`` applied."""
     blocks = plan.blocks_of(model)
     par = cfg.parallelism
+    # Expert parallel first: the experts become DTensors on ``ep`` (TP leaves DTensors alone,
+    # FSDP shards them over efsdp or leaves them alone).
+    experts = apply_ep(model, dims.get_mesh("ep")) if dims.ep > 1 else []
     if dims.tp_enabled:
         apply_tp(
             model,
@@ -66,13 +70,19 @@ def parallelize(
             wait_on=embedding if dims.tp_enabled else None,
         )
     if dims.fsdp_enabled:
+        reshard = reshard_policy(par.fsdp_reshard_after_forward, dims.pp_enabled)
+        if experts and dims.dp_shard > dims.ep:
+            efsdp = dims.get_mesh("efsdp")
+            apply_expert_fsdp(model, experts, efsdp, param_dtype, reduce_dtype, reshard)
+            experts = []  # nested FSDP units now: the blocks' FSDP skips them
         apply_fsdp(
             model,
             list(blocks.values()),
             dims.fsdp_mesh(),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard_policy(par.fsdp_reshard_after_forward, dims.pp_enabled),
+            reshard_after_forward=reshard,
+            ignored_params=set(experts),
         )
     elif dims.ddp_enabled:
         apply_ddp(model, dims.get_mesh("dp_replicate"), param_dtype, reduce_dtype)

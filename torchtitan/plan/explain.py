@@ -24,6 +24,7 @@ from torchtitan.plan.estimator import (
     in_flight_microbatches,
     model_args_for,
 )
+from torchtitan.plan.moe_explain import moe_lines
 from torchtitan.preflight.validate import pipeline_plan
 
 _AXIS_TEXT = {
@@ -91,6 +92,7 @@ def explain(
         + (f"; the {dims.tp} TP ranks of a group share them" if dims.tp > 1 else "")
     )
     add(_attention_line(cfg, device_type, dims.cp))
+    lines.extend(moe_lines(cfg, args, dims, device_type))  # MoE flavors only
     if plan is not None:
         mb = t.local_batch_size // plan.n_microbatches
         bubble = pipeline_bubble(

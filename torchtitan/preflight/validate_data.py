@@ -9,14 +9,14 @@ from pathlib import Path
 
 from torchtitan.components.data_builder import is_token_corpus, source_label
 from torchtitan.components.token_shards import check_manifest, read_manifest
-from torchtitan.components.tokenizer import Tokenizer, build_tokenizer, resolve_repo_path
+from torchtitan.components.tokenizer import AnyTokenizer, build_tokenizer, resolve_repo_path
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 
 __all__ = ["validate_data"]
 
 
-def _check_corpus(field: str, path: str | None, tokenizer: Tokenizer, seq_len: int) -> None:
+def _check_corpus(field: str, path: str | None, tokenizer: AnyTokenizer, seq_len: int) -> None:
     fix = "run scripts/pretokenize.py --out <folder> with model.tokenizer_path, and point to it"
     if not path:
         raise ConfigError(field, path, "must name the corpus folder of a tokenized dataset", fix)
@@ -36,7 +36,7 @@ def _check_corpus(field: str, path: str | None, tokenizer: Tokenizer, seq_len: i
         )
 
 
-def _validate_mixture(cfg: JobConfig, tokenizer: Tokenizer) -> None:
+def _validate_mixture(cfg: JobConfig, tokenizer: AnyTokenizer) -> None:
     t = cfg.training
     if not t.mixture:
         raise ConfigError(

@@ -94,6 +94,9 @@ RULES: dict[str, Num] = {
     "training.max_norm": Num(fix="use e.g. 1.0, or 0 to turn clipping off"),
     "training.steps": count(fix="use e.g. 1000"),
     "training.gc_freq": count(0, fix="use e.g. 50, or 0 for Python's automatic GC"),
+    # model (MoE overrides, docs/moe.md)
+    "model.moe_aux_loss_coef": Num(low=0.0, special=AUTO, fix="use 0 (off), e.g. 0.001, or -1"),
+    "model.moe_bias_update_rate": Num(low=0.0, special=AUTO, fix="use 0 (off), e.g. 0.001, or -1"),
     # parallelism
     "parallelism.data_parallel_replicate_degree": count(fix="use 1 (no replication) or more"),
     "parallelism.data_parallel_shard_degree": count(special=AUTO, fix="use -1 (every rank left)"),
@@ -107,6 +110,7 @@ RULES: dict[str, Num] = {
     ),
     "parallelism.pipeline_parallel_layers_per_stage": count(special=AUTO, fix="use -1"),
     "parallelism.context_parallel_degree": count(fix="use 1 (off) or more"),
+    "parallelism.expert_parallel_degree": count(fix="use 1 (off) or a divisor of the experts"),
     # optimizer
     "optimizer.lr": Num(low=0.0, high=1.0, low_open=True, fix="use e.g. 3e-4"),
     "optimizer.beta1": fraction("use e.g. 0.9", high_open=True),
