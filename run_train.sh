@@ -60,6 +60,10 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]] && { [[ "${TORCHTITAN_DEVICE:-}" == cpu ]] ||
     export OMP_NUM_THREADS=$(( cores / NGPU > 0 ? cores / NGPU : 1 ))
 fi
 export HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-0}"
+# A torchrun restart (--max-restarts) must not let the workers share the rendezvous store: a
+# restarted worker can then read the previous attempt's peer addresses and hang or fail to
+# connect (docs/checkpoint.md, "Restarts after a crash").
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 # torchtitan.launch is torchrun with our exit codes: 0 done or gracefully preempted, 2 config or
 # data error, 1 any other failure (docs/errors.md, "Exit codes").

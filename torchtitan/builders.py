@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.components.chat_data import ChatDataset
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.checkpoint_safety import resume_settings
 from torchtitan.components.data_builder import DataOptions, build_data_loader
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.metrics import MetricsProcessor
@@ -30,6 +31,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_monitor import MemoryMonitor
 from torchtitan.tools.peak_flops import datasheet_peak_flops, measure_matmul_peak_flops
 from torchtitan.tools.profiling import Profiling
+from torchtitan.tools.stragglers import StragglerFlag
 
 
 def build_rank_dataloader(
@@ -189,7 +191,12 @@ def build_metrics(
         pp_mesh=dims.get_mesh("pp") if pp_plan else None,
         pp_loss_rank=pp_plan.last_stage_pp_rank if pp_plan else 0,
         memory_monitor=memory,
-        cross_rank_view=m.enable_cross_rank_view,
+        cross_rank_view=m.enable_cross_rank_view or cfg.fault_tolerance.straggler_margin > 0,
+        stragglers=StragglerFlag(
+            cfg.fault_tolerance.straggler_margin, cfg.fault_tolerance.straggler_log_steps
+        )
+        if cfg.fault_tolerance.straggler_margin > 0
+        else None,
     )
     return processor, writers
 
@@ -239,4 +246,5 @@ def build_checkpointer(
         hf_adapter=spec.state_dict_adapter(args) if ck.initial_load_in_hf else None,
         last_save_model_only=ck.last_save_model_only,
         export_dtype=getattr(torch, ck.export_dtype),
+        resume_settings=resume_settings(cfg),
     )

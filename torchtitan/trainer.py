@@ -12,6 +12,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics_writers import MetricWriter
 from torchtitan.components.nonfinite import NonFiniteGuard
 from torchtitan.components.optimizer import build_optimizer
+from torchtitan.components.spikes import StepGuard
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.components.validation_loss import Validator
 from torchtitan.config.job_config import JobConfig
@@ -47,7 +49,9 @@ from torchtitan.models.common.attention import document_positions, resolve_attn_
 from torchtitan.models.common.moe import moe_overrides, set_aux_loss_scale, update_expert_bias
 from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
 from torchtitan.preflight.validate import pipeline_plan
+from torchtitan.tools.fault_injection import parse_faults
 from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.watchdog import Watchdog, configure_flight_recorder
 
 ModelInputs = dict[str, torch.Tensor]
 """Keyword inputs of the model's forward beyond the tokens (``doc_ids``, ``positions``)."""
@@ -73,6 +77,9 @@ class Trainer:
     # ------------------------------------------------------------------ build steps
     def _init_distributed(self) -> None:
         cfg = self.cfg
+        ft = cfg.fault_tolerance
+        if ft.watchdog_timeout_seconds > 0 and dist_utils.device_type() == "cuda":
+            configure_flight_recorder(Path(cfg.job.dump_folder) / ft.watchdog_folder)
         self.device, world_size, self.rank = dist_utils.init_distributed(
             cfg.comm.init_timeout_seconds
         )
@@ -243,6 +250,32 @@ class Trainer:
         )
         self.validator = self._build_validator(writers) if cfg.validation.enable else None
         self.profiling = build_profiling(cfg, self.rank, self.device)
+        self._build_fault_tolerance()
+
+    def _build_fault_tolerance(self) -> None:
+        """Spike policy and skip limit, hang watchdog, test-only fault injection
+        (docs/observability.md)."""
+        t, ft = self.cfg.training, self.cfg.fault_tolerance
+        self.step_guard = StepGuard(
+            t.spike_policy,
+            window=t.spike_window,
+            threshold=t.spike_threshold,
+            warmup=t.spike_warmup,
+            max_consecutive_skips=t.max_consecutive_skips,
+            rank=self.rank,
+        )
+        self.rollback_pending = False
+        self.microbatches_drawn = 0  # position in this rank's data stream, for spike reports
+        self.watchdog = (
+            Watchdog(
+                ft.watchdog_timeout_seconds,
+                Path(self.cfg.job.dump_folder) / ft.watchdog_folder,
+                self.rank,
+            )
+            if ft.watchdog_timeout_seconds > 0
+            else None
+        )
+        self.faults = parse_faults(self.rank)
 
     def _build_validator(self, writers: list[MetricWriter]) -> Validator:
         v, dims = self.cfg.validation, self.parallel_dims
@@ -281,15 +314,18 @@ class Trainer:
         resumed = self.checkpointer.load()
         if resumed is not None:
             self.step = resumed["step"]
+            self.microbatches_drawn = self.step * self.grad_accum_steps
 
     # ------------------------------------------------------------------ one step
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor, ModelInputs]:
         """The next microbatch on the device: inputs, labels and the model's extra inputs
         (document ids and positions under block_causal, see ``model_inputs``)."""
         start = time.perf_counter()
+        self.faults.before_batch()
         if self.data_iter is None:
             self.data_iter = iter(self.dataloader)
         batch = next(self.data_iter)
+        self.microbatches_drawn += 1
         self.metrics.add_data_time(time.perf_counter() - start)
         inputs, labels, *rest = (t.to(self.device, non_blocking=True) for t in batch)
         return inputs, labels, self.model_inputs(rest[0] if rest else None)
@@ -379,6 +415,7 @@ class Trainer:
             logits = self.model(inputs, **extra)
             # Scale so the accumulated gradient is the mean over the whole global batch.
             loss = self.loss_fn(logits, labels) * self.loss_scale
+            loss = loss * self.faults.loss_factor(self.step)  # 1.0 unless a test injects a spike
             del logits
             loss.backward()
         # Under loss parallel the loss is a replicated DTensor: keep its (full) local value.
@@ -396,6 +433,8 @@ class Trainer:
         """One optimizer step over ``grad_accum_steps`` microbatches; returns (loss, grad norm)."""
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=self.device)
+        for _ in range(self.step_guard.batches_to_skip(self.step)):
+            self.next_batch()  # the batches of this step that spiked before a rollback
         batches = [self.next_batch() for _ in range(self.grad_accum_steps)]
         self.loss_scale = self.step_loss_scale([labels for _, labels, _ in batches])
         for inputs, labels, extra in batches:
@@ -409,15 +448,47 @@ class Trainer:
             pp_mesh=self.parallel_dims.get_mesh("pp") if self.parallel_dims.pp_enabled else None,
         )
         # A NaN/inf loss or norm raises, or (skip_step) keeps the weights and optimizer state.
-        if self.nonfinite.check(self.step, step_loss, grad_norm, self.model_parts):
-            if self.cfg.training.max_norm > 0:
-                dist_utils.clip_grads_with_norm_(params, self.cfg.training.max_norm, grad_norm)
-            self.optimizer.step()
-            update_expert_bias(self.model_parts, self.parallel_dims.get_mesh("dp_cp"))  # MoE
-        else:
+        if not self.nonfinite.check(self.step, step_loss, grad_norm, self.model_parts):
             self.metrics.skipped_steps = self.nonfinite.skipped_steps
+            self.step_guard.skipped(self.step, "non-finite values", self.model_parts)
+        else:
+            # A loss spike warns, skips the step, or asks train() for a rollback.
+            verdict = self.step_guard.check(
+                self.step, self.nonfinite.last_loss, self._batch_position()
+            )
+            if verdict == "step":
+                if self.cfg.training.max_norm > 0:
+                    dist_utils.clip_grads_with_norm_(params, self.cfg.training.max_norm, grad_norm)
+                self.optimizer.step()
+                update_expert_bias(self.model_parts, self.parallel_dims.get_mesh("dp_cp"))  # MoE
+                self.step_guard.stepped()
+            elif verdict == "skip":
+                self.step_guard.skipped(self.step, "loss spike", self.model_parts)
+            else:
+                self.rollback_pending = True
         self.lr_scheduler.step()
         return step_loss, grad_norm
+
+    def _batch_position(self) -> str:
+        a, n = self.grad_accum_steps, self.microbatches_drawn
+        dp = self.parallel_dims.get_mesh("dp").get_local_rank()
+        return f"microbatches {n - a}..{n - 1} of data-parallel rank {dp}'s stream"
+
+    def _rollback(self) -> bool:
+        """Reload the newest checkpoint before this step after a loss spike; False (the step
+        then counts as skipped) when there is none yet."""
+        self.rollback_pending = False
+        bad = self.step
+        resumed = self.checkpointer.rollback(before=bad) if self.checkpointer else None
+        if resumed is None:
+            logger.warning(f"loss spike at step {bad}: no checkpoint to roll back to; skipped")
+            self.step_guard.skipped(bad, "loss spike, no checkpoint yet", self.model_parts)
+            return False
+        self.step, self.data_iter = resumed["step"], None
+        self.step_guard.rolled_back(bad, self.step, self.grad_accum_steps)
+        self.microbatches_drawn = self.step * self.grad_accum_steps
+        logger.warning(f"rolled back to step {self.step}; step {bad}'s batches will be skipped")
+        return True
 
     def train(self) -> None:
         cfg = self.cfg
@@ -431,17 +502,25 @@ class Trainer:
             self.step += 1
             if gc_freq > 0 and self.step % gc_freq == 0:
                 gc.collect(1)
+            if self.watchdog is not None and self.step > 1:
+                self.watchdog.beat(self.step, "training step (forward, backward, collectives)")
+            self.faults.at_step_start(self.step)  # test-only (tools/fault_injection.py)
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm = self.train_step()
+            if self.rollback_pending and self._rollback():
+                continue
             self.metrics.end_step(loss, grad_norm, self.device_tokens_per_step, step=self.step)
             if self.metrics.should_log(self.step):
+                self._phase("metrics log (cross-rank all-reduce)")
                 self.metrics.log(self.step, lr)
             if self.validator is not None and self.validator.should_validate(self.step):
+                self._phase("validation")
                 start = time.perf_counter()
                 self.validator.validate(self.step)
                 self.metrics.exclude_time(time.perf_counter() - start)
             self.profiling.step(self.step)
             if self.checkpointer is not None:
+                self._phase("checkpoint (save, commit, preemption agreement)")
                 start = time.perf_counter()
                 stop = self.checkpointer.step_end(
                     self.step, self.step * self.global_tokens_per_step
@@ -455,9 +534,17 @@ class Trainer:
                 dist_utils.set_pg_timeouts(
                     cfg.comm.train_timeout_seconds, self.parallel_dims.world_mesh
                 )
+        if self.watchdog is not None:
+            self.watchdog.pause()
         logger.info("training done")
 
+    def _phase(self, phase: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.phase(phase)
+
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.profiling.stop()

@@ -5,9 +5,16 @@ One checkpoint per saved step, ``<dump_folder>/<checkpoint.folder>/step-N/``, ho
 - ``model``: the parameters and buffers of every model part, under the unparallelized model's
   names (``get_model_state_dict``: FSDP/TP DTensors are saved by shard and resharded at load);
 - ``optimizer``: the optimizer state under the same names (``get_optimizer_state_dict``);
-- ``lr_scheduler``, ``train_state`` (step, tokens seen): pickled, identical on every rank;
-- ``dataloader``: each data-parallel rank's position (``dp_rank_<r>``) and ``dp_world_size``;
-- ``rng``: every rank's RNG states (``rank_<r>``): torch CPU (and CUDA), Python ``random``.
+- ``lr_scheduler``, ``train_state`` (step, tokens seen, the settings a resume ignores): JSON in a
+  ``uint8`` tensor, identical on every rank;
+- ``dataloader``: each data-parallel rank's position (``dp_rank_<r>``, JSON in a tensor) and
+  ``dp_world_size``;
+- ``rng``: every rank's RNG states (``rank_<r>``, JSON in a tensor): torch CPU (and CUDA),
+  Python ``random``.
+
+Nothing of ours is pickled, and loading goes through :mod:`checkpoint_trust` (a restricted
+unpickler for DCP's ``.metadata``, ``weights_only`` for everything else): loading a checkpoint
+executes no code from it (docs/checkpoint.md, "Trust model").
 
 Two model-only kinds hold just ``model`` (the manifest says which): the ``seed`` checkpoint of
 step 0 (:meth:`CheckpointManager.save_seed`, one process) and the ``export`` of the last step
@@ -46,6 +53,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from torchtitan.components import checkpoint_io as io
+from torchtitan.components import checkpoint_safety as safety
+from torchtitan.components.checkpoint_trust import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UntrustedCheckpointError,
+    decode_state,
+    encode_state,
+)
+from torchtitan.components.spikes import TrainingAborted, weights_finite
 from torchtitan.distributed.utils import device_type
 from torchtitan.tools.logging import logger
 from torchtitan.tools.torch_compat import DEFAULT_STAGER_SINGLE_USE
@@ -142,7 +158,7 @@ class _StagerLifecycle:
             self._stager = None
 
 
-def rng_state() -> bytes:
+def rng_state() -> torch.Tensor:
     """This rank's RNG states: torch CPU (and CUDA) generators and Python's ``random``."""
     state: dict[str, Any] = {
         "torch": _tensor_bytes(torch.get_rng_state()),
@@ -150,11 +166,11 @@ def rng_state() -> bytes:
     }
     if device_type() == "cuda":
         state["cuda"] = [_tensor_bytes(t) for t in torch.cuda.get_rng_state_all()]
-    return pickle.dumps(state)
+    return encode_state(state)
 
 
-def set_rng_state(blob: bytes) -> None:
-    state = pickle.loads(blob)
+def set_rng_state(blob: torch.Tensor) -> None:
+    state = decode_state(blob)
     torch.set_rng_state(_bytes_tensor(state["torch"]))
     random.setstate(state["python"])
     if "cuda" in state and device_type() == "cuda":
@@ -191,8 +207,12 @@ class CheckpointManager:
         hf_adapter: Any = None,
         last_save_model_only: bool = False,
         export_dtype: torch.dtype = torch.float32,
+        resume_settings: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.root = root
+        # {component: {"section.field": value}}: settings the loaded component overrides
+        # (stored in train_state; a resume whose config differs warns, naming them).
+        self.resume_settings = resume_settings or {}
         self.last_save_model_only, self.export_dtype = last_save_model_only, export_dtype
         self.interval, self.keep_latest_k, self.total_steps = interval, keep_latest_k, total_steps
         self.async_mode, self.load_step = async_mode, load_step
@@ -239,11 +259,23 @@ class CheckpointManager:
         return {
             "model": model_state_dict(self.model_parts),
             "optimizer": optimizer_state_dict(self.model_parts, self.optimizer),
-            "lr_scheduler": pickle.dumps(self.lr_scheduler.state_dict()),
-            "train_state": pickle.dumps({"step": step, "tokens_seen": tokens_seen}),
-            "dataloader": self.dataloader.state_dict(),
+            "lr_scheduler": encode_state(self.lr_scheduler.state_dict()),
+            "train_state": encode_state(
+                {"step": step, "tokens_seen": tokens_seen, "settings": self.resume_settings}
+            ),
+            "dataloader": self._dataloader_state(),
             "rng": {f"rank_{self.rank}": rng_state()},
         }
+
+    def _dataloader_state(self) -> dict[str, Any]:
+        """The loader's state with its (in-memory, just made) pickled position re-encoded as
+        JSON: what goes to disk is never a pickle."""
+        out: dict[str, Any] = {}
+        for k, v in self.dataloader.state_dict().items():
+            if isinstance(v, (bytes, bytearray)):
+                v = pickle.loads(v)  # our own bytes, from this process
+            out[k] = encode_state(v) if k.startswith("dp_rank_") else torch.tensor(int(v))
+        return out
 
     def _model_only(self, dtype: torch.dtype | None) -> dict[str, Any]:
         """``{"model": ...}`` with floating-point entries cast to ``dtype`` (None: as trained);
@@ -260,8 +292,10 @@ class CheckpointManager:
         initial weights of ``initial_load_path`` are loaded when set)."""
         found: list[Any] = [None]
         if self.rank == 0:
-            found[0] = io.find_checkpoint(self.root, self.load_step, self.verify_checksums)
+            found[0] = self._find()
         dist.broadcast_object_list(found, src=0, group=self.pg)
+        if isinstance(found[0], Exception):
+            raise found[0]
         if found[0] is not None:
             return self._load_from(found[0].path, COMPONENTS - set(self.exclude_from_loading))
         if not self.initial_load_path:
@@ -278,12 +312,55 @@ class CheckpointManager:
         wanted = {"model"} if self.initial_load_model_only else COMPONENTS
         return self._load_from(path, wanted - set(self.exclude_from_loading))
 
+    def rollback(self, before: int) -> dict[str, int] | None:
+        """Load the newest valid resumable checkpoint of a step before ``before`` (after a loss
+        spike); returns its train state, or None when there is none."""
+        if self._pending is not None:
+            self._finish_pending()
+        found: list[Any] = [None]
+        if self.rank == 0:
+            for step in reversed([s for s in io.complete_steps(self.root) if s < before]):
+                path = io.step_dir(self.root, step)
+                if io.kind(path) != "export" and io.verify(path, self.verify_checksums) is None:
+                    found[0] = path
+                    break
+        dist.broadcast_object_list(found, src=0, group=self.pg)
+        if found[0] is None:
+            return None
+        return self._load_from(found[0], COMPONENTS - set(self.exclude_from_loading))
+
+    def _find(self) -> io.Found | Exception | None:
+        """Rank 0's search (docs/checkpoint.md, "Safety"); an error is returned, to be raised
+        on every rank."""
+        try:
+            if self.load_step >= 0:
+                safety.refuse_older_load_step(self.root, self.load_step)
+            found = io.find_checkpoint(self.root, self.load_step, self.verify_checksums)
+            if found is None:
+                safety.refuse_all_invalid(self.root, self.verify_checksums)
+            return found
+        except (OSError, RuntimeError) as e:
+            return e
+
     def _load_from(
         self, path: Path, components: set[str] | frozenset[str]
     ) -> dict[str, int] | None:
         """Load ``components`` (those the checkpoint holds) from ``path``."""
         t0 = time.perf_counter()
-        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        metadata = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = set(metadata)
+
+        def blank(key: str) -> torch.Tensor:  # a uint8 tensor of the saved entry's size
+            size = getattr(metadata[key], "size", None)
+            if size is None:  # a pickled object: written before the trust model
+                raise UntrustedCheckpointError(
+                    f"checkpoint {path}: {key} is a pickled object (a checkpoint written by an "
+                    "older version), which this version does not unpickle (docs/checkpoint.md, "
+                    "'Trust model'); load its weights with checkpoint.initial_load_path, which "
+                    "loads only the model by default"
+                )
+            return torch.empty(size, dtype=torch.uint8)
+
         components = {c for c in components if any(k.startswith(f"{c}.") or k == c for k in saved)}
         sd: dict[str, Any] = {}
         if "model" in components:
@@ -292,20 +369,29 @@ class CheckpointManager:
             sd["optimizer"] = optimizer_state_dict(self.model_parts, self.optimizer)
         for name in ("lr_scheduler", "train_state"):
             if name in components:
-                sd[name] = b""
+                sd[name] = blank(name)
         if "dataloader" in components:
             keys = sorted(k.split(".", 1)[1] for k in saved if k.startswith("dataloader.dp_rank_"))
             own = next((k for k in self.dataloader.state_dict() if k.startswith("dp_rank_")), "")
             # Another data-parallel size: any rank's position is the same global position
             # (window sharding; the dataloader refuses it otherwise).
-            sd["dataloader"] = {own if own in keys else keys[0]: b"", "dp_world_size": 0}
+            key = own if own in keys else keys[0]
+            sd["dataloader"] = {
+                key: blank(f"dataloader.{key}"),
+                "dp_world_size": torch.tensor(0),
+            }
         if "rng" in components:
             rng_key = f"rank_{self.rank}" if f"rng.rank_{self.rank}" in saved else "rank_0"
-            sd["rng"] = {rng_key: b""}
+            sd["rng"] = {rng_key: blank(f"rng.{rng_key}")}
         own_params = (
             [g["params"] for g in sd["optimizer"]["param_groups"]] if "optimizer" in sd else []
         )
-        dcp.load(sd, checkpoint_id=str(path), process_group=self.pg)
+        dcp.load(
+            sd,
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=SafeLoadPlanner(),
+            process_group=self.pg,
+        )
         if "model" in sd:
             load_model_state_dict(self.model_parts, sd["model"])
         if "optimizer" in sd:
@@ -322,12 +408,21 @@ class CheckpointManager:
                 group["params"] = names
             load_optimizer_state_dict(self.model_parts, self.optimizer, sd["optimizer"])
         if "lr_scheduler" in sd:
-            self.lr_scheduler.load_state_dict(pickle.loads(sd["lr_scheduler"]))
+            self.lr_scheduler.load_state_dict(decode_state(sd["lr_scheduler"]))
         if "dataloader" in sd:
-            self.dataloader.load_state_dict(sd["dataloader"])
+            self.dataloader.load_state_dict(
+                {
+                    k: decode_state(v) if k.startswith("dp_rank_") else int(v)
+                    for k, v in sd["dataloader"].items()
+                }
+            )
         if "rng" in sd:
             set_rng_state(next(iter(sd["rng"].values())))
-        train_state = pickle.loads(sd["train_state"]) if "train_state" in sd else None
+        train_state = decode_state(sd["train_state"]) if "train_state" in sd else None
+        if train_state is not None:
+            safety.report_ignored_settings(
+                path, train_state.pop("settings", {}), self.resume_settings, set(sd)
+            )
         logger.info(
             f"checkpoint: loaded {sorted(sd)} from {path} in {time.perf_counter() - t0:.2f} s"
             + (f"; resuming after step {train_state['step']}" if train_state else "")
@@ -358,6 +453,8 @@ class CheckpointManager:
         preempted, pending_busy = self._agree()
         if self._pending is not None and not pending_busy:
             self._finish_pending()
+        if preempted or step % self.interval == 0 or step == self.total_steps:
+            self._refuse_nonfinite_weights(step)
         if step == self.total_steps and self.last_save_model_only:
             self.save(step, tokens_seen, blocking=True, kind="export")
             return preempted
@@ -368,6 +465,16 @@ class CheckpointManager:
         if step % self.interval == 0 or step == self.total_steps:
             self.save(step, tokens_seen, blocking=step == self.total_steps)
         return False
+
+    def _refuse_nonfinite_weights(self, step: int) -> None:
+        """A checkpoint of NaN/inf weights would be resumed from and spread: abort instead
+        (one pass over the parameters and one all-reduce, at save steps only)."""
+        if not weights_finite(self.model_parts):
+            raise TrainingAborted(
+                f"step {step}: the model's weights are non-finite; not saving them as a "
+                f"checkpoint (the newest good one in {self.root} stays the resume point). "
+                "Lower the learning rate and resume"
+            )
 
     def _agree(self) -> tuple[bool, bool]:
         """(any rank got a preemption signal, any rank's background save still running): the

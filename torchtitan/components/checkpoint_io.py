@@ -239,14 +239,21 @@ def read_model_weights(folder: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    from torchtitan.components.checkpoint_trust import SafeFileSystemReader, SafeLoadPlanner
+
+    metadata = SafeFileSystemReader(str(folder)).read_metadata()
     model: dict = {}
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata):
             model[key.removeprefix("model.")] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not model:
         raise ValueError(f"{folder} holds no model weights")
-    dcp.load({"model": model}, checkpoint_id=str(folder), no_dist=True)
+    dcp.load(
+        {"model": model},
+        storage_reader=SafeFileSystemReader(str(folder)),
+        planner=SafeLoadPlanner(),
+        no_dist=True,
+    )
     return model
 
 

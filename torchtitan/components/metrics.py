@@ -22,6 +22,7 @@ from torchtitan.tools.cross_rank import reduce_extremes
 from torchtitan.tools.device_memory import DeviceMemoryMonitor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_monitor import MemoryMonitor
+from torchtitan.tools.stragglers import StragglerFlag
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -85,7 +86,9 @@ class MetricsProcessor:
         pp_loss_rank: int = 0,
         memory_monitor: MemoryMonitor | None = None,
         cross_rank_view: bool = False,
+        stragglers: StragglerFlag | None = None,
     ) -> None:
+        self.stragglers = stragglers  # flags slow ranks on the cross-rank view
         self.device = device
         self.log_freq = log_freq
         self.total_steps = total_steps
@@ -236,6 +239,8 @@ class MetricsProcessor:
             device=self.device,
         )
         fields.update({f"ranks/{k}": v for k, v in view.items()})
+        if self.stragglers is not None:
+            text += self.stragglers.update(self.last_log_step, view)
         if dist.is_initialized() and dist.get_world_size() > 1:
             v = view
             text += (

@@ -76,6 +76,7 @@ class NonFiniteGuard:
         # Global order of this rank's model parts (pipeline stage ids); [0] without PP.
         self.stage_ids = list(stage_ids) if stage_ids else None
         self.skipped_steps = 0
+        self.last_loss = 0.0
 
     def check(
         self,
@@ -87,6 +88,7 @@ class NonFiniteGuard:
         """True when the step may go to the optimizer; raises or counts a skip otherwise."""
         values = torch.stack([_local(loss).detach().float(), _local(grad_norm).detach().float()])
         loss_v, norm_v = values.tolist()  # the one host sync per step
+        self.last_loss = loss_v  # for the spike detector (components/spikes.py)
         if torch.isfinite(values).all():
             return True
         where = self._locate(model_parts, grads_bad=norm_v != norm_v or abs(norm_v) == float("inf"))

@@ -115,6 +115,21 @@ class Training:
     mixture_exhausted: Literal["wrap", "error"] = "wrap"
     """What a mixture source that has given all its windows does: wrap (starts its next epoch, logged) or error (training stops with an error naming the source)."""
 
+    spike_policy: Literal["off", "warn", "skip_step", "rollback"] = "off"
+    """What a loss spike (robust z-score of the step's loss against the last spike_window losses above spike_threshold) does: warn logs it; skip_step skips that optimizer step; rollback reloads the newest checkpoint before the step and skips the step's batches (needs checkpoint.enable). Costs one small all-reduce per step when on."""
+
+    spike_window: int = 50
+    """Number of recent accepted losses the spike detector compares each step's loss with (median and MAD)."""
+
+    spike_threshold: float = 6.0
+    """Robust z-score above which a step's loss is a spike: (loss - median) / (1.4826 x MAD)."""
+
+    spike_warmup: int = 20
+    """Steps whose losses are only collected, never scored (the loss falls fast early in training)."""
+
+    max_consecutive_skips: int = 10
+    """Abort training after this many consecutive skipped steps (spike_policy or nonfinite_policy skip_step), or this many rollbacks for the same step; 0 never aborts. A skipped step whose weights are non-finite always aborts."""
+
 
 @dataclass
 class Parallelism:
@@ -423,6 +438,21 @@ class Sft:
 
 
 @dataclass
+class FaultTolerance:
+    watchdog_timeout_seconds: float = 0.0
+    """When a training step runs longer than this, every rank writes the Python stacks of all its threads and the phase it waits in to <dump_folder>/<watchdog_folder>/ (with the NCCL flight recorder's trace on CUDA); must be shorter than comm.train_timeout_seconds. 0 turns the watchdog off. Armed from step 2 (step 1 includes warm-up)."""
+
+    watchdog_folder: str = "watchdog"
+    """Folder for the watchdog's dumps, relative to job.dump_folder."""
+
+    straggler_margin: float = 0.0
+    """Flag a rank whose step or data time exceeds the fastest rank's by more than this fraction (e.g. 0.5 = 50%), at straggler_log_steps consecutive log steps; 0 turns it off. Uses the cross-rank view (turned on with it)."""
+
+    straggler_log_steps: int = 3
+    """Consecutive log steps a rank must be slow before it is flagged as a straggler."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -440,3 +470,4 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
     sft: Sft = field(default_factory=Sft)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

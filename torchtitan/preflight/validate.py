@@ -34,6 +34,7 @@ from torchtitan.preflight.validate_parallel import (
     validate_tensor_parallel,
 )
 from torchtitan.preflight.validate_paths import validate_paths
+from torchtitan.preflight.validate_resilience import validate_resilience
 from torchtitan.preflight.validate_values import validate_values
 from torchtitan.tools.logging import logger
 
@@ -87,6 +88,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_speed_features(cfg)
     validate_observability(cfg)
     validate_checkpoint(cfg, world_size)
+    validate_resilience(cfg)
     _validate_model(cfg)
     _validate_training(cfg)
     validate_data(cfg)  # tokenized corpora and mixtures (docs/data.md)

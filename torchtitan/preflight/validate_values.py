@@ -145,6 +145,14 @@ RULES: dict[str, Num] = {
     "validation.steps": count(special=AUTO, fix="use e.g. 10, or -1 for the whole split"),
     # debug
     "debug.seed": Num(low=0, high=2**63 - 1, integer=True, fix="use e.g. 0"),
+    # spikes and fault tolerance (cross-field checks: preflight/validate_resilience.py)
+    "training.spike_window": count(3, fix="use e.g. 50"),
+    "training.spike_threshold": Num(low=0.0, low_open=True, fix="use e.g. 6.0"),
+    "training.spike_warmup": count(0, fix="use e.g. 20"),
+    "training.max_consecutive_skips": count(0, fix="use e.g. 10, or 0 to never abort"),
+    "fault_tolerance.watchdog_timeout_seconds": Num(low=0.0, fix="use e.g. 60, or 0 for off"),
+    "fault_tolerance.straggler_margin": Num(low=0.0, fix="use e.g. 0.5, or 0 for off"),
+    "fault_tolerance.straggler_log_steps": count(fix="use e.g. 3"),
 }
 
 
