@@ -77,6 +77,10 @@ def main(argv: list[str]) -> int:
         return 128 + int(e.sigval)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        aborted = sorted(folder.glob("aborted_*"))
+        if aborted:  # a spike / non-finite policy gave up: a training failure, not bad input
+            print(f"error: {aborted[0].read_text().strip()}", file=sys.stderr)
+            return 3
         errors = sorted(folder.glob("error_*"))
         if errors:
             print(f"error: {errors[0].read_text().strip()}", file=sys.stderr)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
+from torchtitan.components.checkpoint_safety import CheckpointSafetyError
+from torchtitan.components.checkpoint_trust import UntrustedCheckpointError
+from torchtitan.components.spikes import TrainingAborted
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import help_text
 from torchtitan.distributed.utils import destroy_distributed
@@ -33,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # bad data or files found while building (DataError, ...)
         destroy_distributed()
         return config_error(e)
+    except CHECKPOINT_ERRORS as e:  # the checkpoint folder as configured (docs/checkpoint.md)
+        destroy_distributed()
+        return checkpoint_error(e)
     try:
         if cfg.checkpoint.create_seed_checkpoint:
             # One process, all degrees 1 (validated): save the initial weights, no training.
@@ -42,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
             trainer.train()
     except ConfigError as e:  # e.g. a malformed record met in the middle of the data
         return config_error(e)
+    except CHECKPOINT_ERRORS as e:  # e.g. a rollback to an untrusted checkpoint
+        return checkpoint_error(e)
+    except TrainingAborted as e:  # the spike / non-finite policies gave up (docs/errors.md)
+        print(f"training aborted: {e}", file=sys.stderr)
+        report_stop("aborted", f"rank {os.environ.get('RANK', '0')}: training aborted: {e}")
+        return 3
     finally:
         trainer.close()
         destroy_distributed()
@@ -49,6 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     # last step, also ends here), at this step.
     report_stop("stopped", str(trainer.preempted_at or trainer.step))
     return 0
+
+
+CHECKPOINT_ERRORS = (CheckpointSafetyError, UntrustedCheckpointError)
+
+
+def checkpoint_error(e: Exception) -> int:
+    """A checkpoint folder that resuming as configured would damage, or a file that is not
+    trusted: one line and exit 2, like a config error."""
+    print(f"checkpoint error: {e}", file=sys.stderr)
+    report_stop("error", f"rank {os.environ.get('RANK', '0')}: checkpoint error: {e}")
+    return 2
 
 
 def config_error(e: ConfigError) -> int:
