@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run the whole test suite on this machine (CPU is enough): lint, types, then pytest.
 #
-#   ./run_tests.sh                 everything (what CI runs)
-#   ./run_tests.sh -m "not slow"   extra arguments go to pytest
+#   ./run_tests.sh                 the fast tier, pytest -m "not slow" (what CI runs)
+#   ./run_tests.sh --all           everything, the slow tier included
+#   ./run_tests.sh -m slow         extra arguments go to pytest (a -m of yours replaces the tier's)
 #   ./run_tests.sh --torch 2.11    the smoke tier against another torch of the supported window
 #                                  (2.11 ... 2.15) in its own venv, .venv-torch2.11 (built on the
 #                                  first use from PyPI: a CUDA build, a few GB, runs on CPU)
@@ -42,5 +43,10 @@ echo "== ruff"
 "$bin/ruff" format --check .
 echo "== mypy"
 "$bin/mypy"
-echo "== pytest"
-"$python" -m pytest "$@"
+tier=(-m "not slow")
+if [[ "${1:-}" == "--all" ]]; then
+    tier=()
+    shift
+fi
+echo "== pytest ${tier[*]}"
+"$python" -m pytest "${tier[@]}" "$@"
