@@ -27,6 +27,7 @@ from torchtitan.builders import (
     peak_flops,
 )
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.chunked_loss import build_chunked_loss
 from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics_writers import MetricWriter
@@ -124,6 +125,13 @@ class Trainer:
             self.device,
         )
         self.model = self.model_parts[0]
+        if cfg.training.loss_chunk_size > 0:  # the model returns hidden states (docs/memory.md)
+            self.loss_fn = build_chunked_loss(
+                self.model_parts,
+                self.spec.parallel_plan(self.model_args).tensor_parallel.output,
+                cfg.training.loss_chunk_size,
+                gather_logits=dims.tp_enabled and cfg.parallelism.disable_loss_parallel,
+            )
         self.pipeline = self._build_pipeline()
         self.cp = self._build_context_parallel()
 

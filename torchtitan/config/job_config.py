@@ -88,6 +88,9 @@ class Training:
     nonfinite_policy: Literal["raise", "skip_step"] = "raise"
     """What a NaN/inf loss or gradient norm does (it is reported with the step, the rank and the first parameter with a non-finite gradient): raise stops training; skip_step skips that optimizer step (the LR schedule still advances) and counts it."""
 
+    loss_chunk_size: int = 0
+    """Chunked linear + cross-entropy: compute the output projection and the loss this many tokens at a time (each chunk recomputed in backward), so the full [tokens, vocab] logits never exist; 0 computes the logits whole. Same loss and gradients (docs/memory.md)."""
+
 
 @dataclass
 class Parallelism:

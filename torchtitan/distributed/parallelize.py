@@ -21,6 +21,7 @@ from torchtitan.distributed.compile import apply_compile
 from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_policy
 from torchtitan.distributed.model_plan import ModelParallelPlan, submodule_or_none
+from torchtitan.distributed.output_head import defer_output
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
 
@@ -36,6 +37,9 @@ def parallelize(
     """``model`` with the parallelisms of ``dims`` and the speed features of ``cfg`` applied."""
     blocks = plan.blocks_of(model)
     par = cfg.parallelism
+    deferred = cfg.training.loss_chunk_size > 0  # the loss applies the output projection
+    if deferred:
+        defer_output(model, plan.tensor_parallel.output)
     if dims.tp_enabled:
         apply_tp(
             model,
@@ -44,6 +48,7 @@ def parallelize(
             plan.tensor_parallel,
             loss_parallel=not par.disable_loss_parallel,
             enable_async_tp=par.enable_async_tensor_parallel,
+            output_deferred=deferred,
         )
     if dims.cp_enabled:
         cp = plan.context_parallel

@@ -27,6 +27,7 @@ from torchtitan.preflight.validate_features import (
     validate_observability,
     validate_speed_features,
 )
+from torchtitan.preflight.validate_memory import validate_memory_levers
 from torchtitan.preflight.validate_parallel import (
     validate_context_parallel,
     validate_tensor_parallel,
@@ -80,6 +81,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raise ConfigError on the first rule the config breaks."""
     world_size = world_size_from_env() if world_size is None else world_size
     validate_speed_features(cfg)
+    validate_memory_levers(cfg)
     validate_observability(cfg)
     validate_checkpoint(cfg, world_size)
     _validate_model(cfg)
