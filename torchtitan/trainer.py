@@ -111,6 +111,9 @@ class Trainer:
         self.param_dtype = dist_utils.resolve_dtype(
             cfg.training.mixed_precision_param, self.device.type
         )
+        if cfg.optimizer.master_weights_dtype == "bfloat16":  # docs/memory.md
+            model.to(torch.bfloat16)
+            self.param_dtype = torch.bfloat16
         reduce_dtype = dist_utils.resolve_dtype(
             cfg.training.mixed_precision_reduce, self.device.type
         )
@@ -201,6 +204,8 @@ class Trainer:
             o.eps,
             o.weight_decay,
             o.implementation,
+            moments_dtype=o.moments_dtype,
+            seed=self.cfg.debug.seed,
         )
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer,

@@ -139,6 +139,9 @@ class Parallelism:
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """For context_parallel_method ring: how torch rotates the K/V shards between cp ranks."""
 
+    fsdp_cpu_offload: bool = False
+    """FSDP2 CPU offload (CPUOffloadPolicy): parameter shards, gradients and optimizer state live in host memory and the optimizer step runs on the CPU; needs FSDP (data_parallel_shard_degree > 1, with or without HSDP, TP, PP); the offload slows each step by the host-device copies (docs/memory.md)."""
+
 
 @dataclass
 class Optimizer:
@@ -162,6 +165,12 @@ class Optimizer:
 
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
     """Kernel choice: fused (one kernel; falls back to foreach where the device or parameter types cannot), foreach, or a plain for-loop."""
+
+    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype the two Adam moments are stored in: bfloat16 halves the optimizer state (the update is computed in fp32 and the moments stored with stochastic rounding; a plain-PyTorch loop instead of fused kernels; docs/memory.md)."""
+
+    master_weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained parameters themselves (and their gradients): bfloat16 halves them, with the optimizer updating in fp32 and storing with stochastic rounding; forward/backward then run in bfloat16 (docs/memory.md)."""
 
 
 @dataclass

@@ -78,6 +78,7 @@ def parallelize(
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
             reshard_after_forward=reshard_policy(par.fsdp_reshard_after_forward, dims.pp_enabled),
+            cpu_offload=par.fsdp_cpu_offload,
         )
     elif dims.ddp_enabled:
         apply_ddp(model, dims.get_mesh("dp_replicate"), param_dtype, reduce_dtype)

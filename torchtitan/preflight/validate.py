@@ -81,7 +81,6 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raise ConfigError on the first rule the config breaks."""
     world_size = world_size_from_env() if world_size is None else world_size
     validate_speed_features(cfg)
-    validate_memory_levers(cfg)
     validate_observability(cfg)
     validate_checkpoint(cfg, world_size)
     _validate_model(cfg)
@@ -94,6 +93,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_context_parallel(cfg, dims.cp, dims.tp)
     validate_attention(cfg, dims.cp)
     dims.batch_plan(cfg.training.local_batch_size, cfg.training.global_batch_size)
+    validate_memory_levers(cfg, world_size)
 
     if cfg.training.mixed_precision_param == "bfloat16" and device_type() != "cuda":
         logger.warning(

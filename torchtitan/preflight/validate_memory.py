@@ -6,12 +6,41 @@ from __future__ import annotations
 
 from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models import MODELS
 
 
-def validate_memory_levers(cfg: JobConfig) -> None:
+def validate_memory_levers(cfg: JobConfig, world_size: int) -> None:
     """Raise ConfigError where a memory lever is set in a way it cannot work."""
     _validate_chunked_loss(cfg)
+    _validate_optimizer_precision(cfg)
+    _validate_offload(cfg, world_size)
+
+
+def _validate_offload(cfg: JobConfig, world_size: int) -> None:
+    if not cfg.parallelism.fsdp_cpu_offload:
+        return
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
+    if not dims.fsdp_enabled:
+        raise ConfigError(
+            "parallelism.fsdp_cpu_offload",
+            True,
+            f"offload is FSDP2's CPUOffloadPolicy, and this layout ({dims}) does not shard with "
+            "FSDP (DDP and a single rank keep whole parameters on the device)",
+            "shard with FSDP (--parallelism.data_parallel_shard_degree > 1) or remove "
+            "--parallelism.fsdp_cpu_offload",
+        )
+
+
+def _validate_optimizer_precision(cfg: JobConfig) -> None:
+    o, t = cfg.optimizer, cfg.training
+    if o.master_weights_dtype == "bfloat16" and t.mixed_precision_param == "float32":
+        raise ConfigError(
+            "training.mixed_precision_param",
+            t.mixed_precision_param,
+            "bf16 master weights (optimizer.master_weights_dtype = bfloat16) compute in bf16",
+            "use --training.mixed_precision_param auto (or bfloat16), or fp32 master weights",
+        )
 
 
 def _validate_chunked_loss(cfg: JobConfig) -> None:
