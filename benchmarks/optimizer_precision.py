@@ -4,8 +4,8 @@
 
     python benchmarks/optimizer_precision.py --steps 200
 
-Trains the debug model (one process, fp32 compute, 8 sequences of 64 tokens per step) three
-times from the same seed and data: fp32 Adam moments (the reference), bf16 moments, and bf16
+Trains the debug model (one process each, fp32 compute, ``--local_batch_size`` sequences of 64
+tokens per step) side by side from the same seed and data: fp32 Adam moments (the reference), bf16 moments, and bf16
 master weights (fp32 moments). Each run is a plain ``python -m torchtitan.train`` subprocess
 writing its metrics as JSONL. Prints one JSON line: the final loss of each run, the mean loss of
 the last 20 steps, each one's relative difference from the reference (goal <= 1%), and the
@@ -36,7 +36,7 @@ RUNS = {
 }
 
 
-def _run(extra: list[str], steps: int, dump: Path) -> list[dict]:
+def _start(extra: list[str], steps: int, batch: int, dump: Path) -> subprocess.Popen:
     argv = [
         "--job.config_file",
         "train_configs/debug_model.toml",
@@ -47,7 +47,7 @@ def _run(extra: list[str], steps: int, dump: Path) -> list[dict]:
         "--training.seq_len",
         "64",
         "--training.local_batch_size",
-        "8",
+        str(batch),
         "--training.mixed_precision_param",
         "float32",
         "--metrics.log_freq",
@@ -57,7 +57,12 @@ def _run(extra: list[str], steps: int, dump: Path) -> list[dict]:
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torchtitan.train", *argv]
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True)
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+
+def _metrics(dump: Path) -> list[dict]:
     lines = (dump / "metrics" / "rank_0.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
 
@@ -76,6 +81,7 @@ def _state_bytes(extra: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--local_batch_size", type=int, default=8)
     p.add_argument(
         "--runs",
         default=",".join(RUNS),
@@ -85,9 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     names = ["fp32", *(n for n in args.runs.split(",") if n != "fp32")]
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        # The runs are independent: run them side by side.
+        procs = {
+            n: _start(RUNS[n], args.steps, args.local_batch_size, Path(tmp) / n) for n in names
+        }
+        for name, proc in procs.items():
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                raise RuntimeError(f"{name} failed:\n{err.decode()[-3000:]}")
         for name in names:
             extra = RUNS[name]
-            metrics = _run(extra, args.steps, Path(tmp) / name)
+            metrics = _metrics(Path(tmp) / name)
             tail = [m["loss"] for m in metrics[-20:]]
             out[name] = {
                 "final_loss": metrics[-1]["loss"],
@@ -98,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in out.values():
         for key in ("final_loss", "last20_mean_loss"):
             r[f"{key}_rel_diff"] = abs(r[key] - ref[key]) / ref[key]
-    print(json.dumps({"steps": args.steps, "runs": out}))
+    print(json.dumps({"steps": args.steps, "local_batch_size": args.local_batch_size, "runs": out}))
     return 0
 
 

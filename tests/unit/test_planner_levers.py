@@ -66,3 +66,20 @@ def test_planner_proposes_levers_with_offload_slowdown() -> None:
     assert lever_cfg.training.loss_chunk_size > 0
     slower = plan(cfg, args, 2, Hardware(memory_gib=24, host_device_gbps=5.0))[0][0]
     assert slower.terms["offload_copies"] == pytest.approx(5 * top.terms["offload_copies"])
+
+
+def test_explain_shows_the_levers() -> None:
+    from torchtitan.plan.explain import explain
+
+    argv = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml")]
+    text = explain(parse_args(argv), 2, device_type="cpu")
+    assert "memory levers: none" in text
+    on = [
+        "--parallelism.fsdp_cpu_offload",
+        "--optimizer.moments_dtype=bfloat16",
+        "--training.loss_chunk_size=256",
+    ]
+    text = explain(parse_args([*argv, *on]), 2, device_type="cpu")
+    line = next(x for x in text.splitlines() if x.startswith("memory levers:"))
+    assert "chunked cross-entropy (256 tokens" in line and "bf16 Adam moments" in line
+    assert "FSDP CPU offload (" in line and "in host memory" in line

@@ -10,7 +10,7 @@ largest of these moments (each is ``state`` + what is live only then):
   gradient working set of the block, and the gradients produced so far;
 * ``optimizer step``: parameters, gradients and both AdamW moments.
 
-``state`` is what lives all step: the parameter shards (fp32 master weights), the AdamW moments
+``state`` is what lives all step: the parameter shards (fp32 master weights, or bf16), the AdamW moments
 (two fp32 tensors per parameter shard), the gradients carried between gradient-accumulation
 microbatches, pipeline receive buffers, and, while forward/backward runs, the parameters FSDP
 has all-gathered (in the mixed-precision param dtype, or float8 with float8 all-gather).
@@ -56,12 +56,12 @@ class MemoryEstimate:
     """Bytes on one rank (the pipeline rank ``pp_rank`` that needs the most) at its peak moment."""
 
     parameters: int
-    """Parameter shards as stored (fp32 master weights), all of this rank's stages."""
+    """Parameter shards as stored (fp32 or bf16 master weights; 0 under CPU offload), all of this rank's stages."""
     gradients: int
     """Gradients alive at the peak (sharded like the parameters; none before the first backward
     produces them, all of them during the optimizer step)."""
     optimizer_states: int
-    """AdamW/Adam: two fp32 moments per parameter element of the shard."""
+    """AdamW/Adam: two moments (fp32 or bf16) per parameter element of the shard; 0 under CPU offload."""
     activations: int
     """Saved activations of every in-flight microbatch at the peak."""
     unsharded_parameters: int
