@@ -112,3 +112,16 @@ def test_preflight_refuses(argv: list[str], field: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(["--job.config_file", "train_configs/debug_model.toml", *argv], world_size=1)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_build_chunked_loss_reads_the_deferred_weight(reduction: str) -> None:
+    from torchtitan.components.chunked_loss import build_chunked_loss
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 50, bias=False))
+    hidden, _, labels = _inputs(20, 8, 50)
+    ref = F.cross_entropy(model(hidden).flatten(0, 1), labels.flatten(), reduction=reduction)
+    defer_output(model, "1")
+    loss_fn = build_chunked_loss([model], "1", 6, gather_logits=False, reduction=reduction)  # type: ignore[arg-type]
+    got = loss_fn(model(hidden), labels)
+    assert torch.allclose(got, ref, rtol=1e-6)

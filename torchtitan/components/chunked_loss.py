@@ -81,18 +81,27 @@ def chunked_cross_entropy(
 
 
 def build_chunked_loss(
-    model_parts: list[nn.Module], output_path: str | None, chunk_size: int, gather_logits: bool
+    model_parts: list[nn.Module],
+    output_path: str | None,
+    chunk_size: int,
+    gather_logits: bool,
+    reduction: Literal["mean", "sum"] = "mean",
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The trainer's ``loss_fn(hidden, labels)`` (mean over tokens) when the model's output
-    projection is deferred (``distributed/output_head.py``). It reads the projection's weight
-    at each call: under FSDP that is the gathered weight of this forward."""
+    """The trainer's ``loss_fn(hidden, labels)`` (``reduction`` over the tokens) when the
+    model's output projection is deferred (``distributed/output_head.py``). It reads the
+    projection's weight at each call: under FSDP that is the gathered weight of this forward."""
     head = deferred_output(model_parts, output_path)
 
     def loss_fn(hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if head is None:
             raise RuntimeError("chunked loss called on a rank without the output projection")
         return chunked_cross_entropy(
-            hidden, head.weight, labels, chunk_size, gather_logits=gather_logits
+            hidden,
+            head.weight,
+            labels,
+            chunk_size,
+            reduction=reduction,
+            gather_logits=gather_logits,
         )
 
     return loss_fn
