@@ -133,7 +133,8 @@ def build_model_parts(
         ]
     parts = [parallelize(part, plan, dims, cfg, *dtypes) for part in parts]
     for part in parts:
-        part.to_empty(device=device)
+        # Under FSDP CPU offload the parameter shards live on the host (docs/memory.md).
+        part.to_empty(device="cpu" if cfg.parallelism.fsdp_cpu_offload else device)
         cast(TrainableModel, part).init_weights(seed=cfg.debug.seed, buffer_device=device)
         part.train()
     return parts

@@ -28,6 +28,7 @@ from torchtitan.builders import (
     peak_flops,
 )
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.chunked_loss import build_chunked_loss
 from torchtitan.components.loss import cross_entropy_sum, global_loss_scale, unmasked_tokens
 from torchtitan.components.lr_scheduler import build_lr_scheduler
 from torchtitan.components.metrics_writers import MetricWriter
@@ -122,6 +123,9 @@ class Trainer:
         self.param_dtype = dist_utils.resolve_dtype(
             cfg.training.mixed_precision_param, self.device.type
         )
+        if cfg.optimizer.master_weights_dtype == "bfloat16":  # docs/memory.md
+            model.to(torch.bfloat16)
+            self.param_dtype = torch.bfloat16
         reduce_dtype = dist_utils.resolve_dtype(
             cfg.training.mixed_precision_reduce, self.device.type
         )
@@ -136,6 +140,14 @@ class Trainer:
             self.device,
         )
         self.model = self.model_parts[0]
+        if cfg.training.loss_chunk_size > 0:  # the model returns hidden states (docs/memory.md)
+            self.loss_fn = build_chunked_loss(
+                self.model_parts,
+                self.spec.parallel_plan(self.model_args).tensor_parallel.output,
+                cfg.training.loss_chunk_size,
+                gather_logits=dims.tp_enabled and cfg.parallelism.disable_loss_parallel,
+                reduction="sum",  # scaled by the step's loss_scale, like cross_entropy_sum
+            )
         self.pipeline = self._build_pipeline()
         self.cp = self._build_context_parallel()
         # MoE: the auxiliary loss is seeded in the backward with the loss's scale (docs/moe.md).
@@ -211,6 +223,8 @@ class Trainer:
             o.eps,
             o.weight_decay,
             o.implementation,
+            moments_dtype=o.moments_dtype,
+            seed=self.cfg.debug.seed,
         )
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer,

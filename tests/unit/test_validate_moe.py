@@ -48,6 +48,12 @@ def _check(argv: list[str], world: int) -> None:
             "data_parallel_replicate_degree",
             "FSDP, TP and PP only",
         ),
+        (
+            [*MOE, "--parallelism.expert_parallel_degree", "2", "--parallelism.fsdp_cpu_offload"],
+            4,
+            "fsdp_cpu_offload",
+            "offload would be partial",
+        ),
     ],
 )
 def test_bad_expert_parallel(argv: list[str], world: int, field: str, rule: str) -> None:

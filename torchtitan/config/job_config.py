@@ -130,6 +130,9 @@ class Training:
     max_consecutive_skips: int = 10
     """Abort training after this many consecutive skipped steps (spike_policy or nonfinite_policy skip_step), or this many rollbacks for the same step; 0 never aborts. A skipped step whose weights are non-finite always aborts."""
 
+    loss_chunk_size: int = 0
+    """Chunked linear + cross-entropy: compute the output projection and the loss this many tokens at a time (each chunk recomputed in backward), so the full [tokens, vocab] logits never exist; 0 computes the logits whole. Same loss and gradients (docs/memory.md)."""
+
 
 @dataclass
 class Parallelism:
@@ -181,6 +184,9 @@ class Parallelism:
     expert_parallel_degree: int = 1
     """Expert parallel degree (MoE models): the routed experts are split over this many ranks, borrowed from data_parallel_shard_degree (which it must divide); tokens reach their experts by all-to-all. Experts are FSDP-sharded over the remaining dp_shard / ep ranks (docs/parallelisms.md)."""
 
+    fsdp_cpu_offload: bool = False
+    """FSDP2 CPU offload (CPUOffloadPolicy): parameter shards, gradients and optimizer state live in host memory and the optimizer step runs on the CPU; needs FSDP (data_parallel_shard_degree > 1, with or without HSDP, TP, PP); the offload slows each step by the host-device copies (docs/memory.md)."""
+
 
 @dataclass
 class Optimizer:
@@ -204,6 +210,12 @@ class Optimizer:
 
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
     """Kernel choice: fused (one kernel; falls back to foreach where the device or parameter types cannot), foreach, or a plain for-loop."""
+
+    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype the two Adam moments are stored in: bfloat16 halves the optimizer state (the update is computed in fp32 and the moments stored with stochastic rounding; a plain-PyTorch loop instead of fused kernels; docs/memory.md)."""
+
+    master_weights_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the trained parameters themselves (and their gradients): bfloat16 halves them, with the optimizer updating in fp32 and storing with stochastic rounding; forward/backward then run in bfloat16 (docs/memory.md)."""
 
 
 @dataclass

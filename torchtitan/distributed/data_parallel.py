@@ -7,7 +7,12 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 
 def reshard_policy(policy: Literal["default", "always", "never"], pp_enabled: bool) -> bool:
@@ -32,6 +37,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
     ignored_params: set[nn.Parameter] | None = None,
+    cpu_offload: bool = False,
 ) -> None:
     """Shard ``model`` with FSDP2: one unit per module of ``units`` (the blocks), plus the root.
 
@@ -39,9 +45,20 @@ def apply_fsdp(
     holds what no unit took (embedding, final norm, output); it is not resharded after forward
     because its parameters are used again right at the start of backward. ``ignored_params``
     (expert-parallel experts) stay as they are.
+
+    ``cpu_offload``: FSDP2's ``CPUOffloadPolicy``: parameter shards, gradient shards and so the
+    optimizer state and step live in host memory; each unit's shards are copied to the device
+    before its all-gather and its reduced gradients back (docs/memory.md). The model must be
+    materialized on the CPU (``offload_device``). Host memory is pinned where the mesh is on an
+    accelerator.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     ign = ignored_params or None
+    offload = (
+        CPUOffloadPolicy(pin_memory=dp_mesh.device_type != "cpu")
+        if cpu_offload
+        else OffloadPolicy()
+    )
     for unit in units:
         fully_shard(
             unit,
@@ -49,8 +66,16 @@ def apply_fsdp(
             mp_policy=mp,
             reshard_after_forward=reshard_after_forward,
             ignored_params=ign,
+            offload_policy=offload,
         )
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ign)
+    fully_shard(
+        model,
+        mesh=dp_mesh,
+        mp_policy=mp,
+        reshard_after_forward=False,
+        ignored_params=ign,
+        offload_policy=offload,
+    )
 
 
 def apply_ddp(

@@ -22,6 +22,7 @@ from torchtitan.distributed.context_parallel import apply_cp
 from torchtitan.distributed.data_parallel import apply_ddp, apply_fsdp, reshard_policy
 from torchtitan.distributed.expert_parallel import apply_ep, apply_expert_fsdp
 from torchtitan.distributed.model_plan import ModelParallelPlan, submodule_or_none
+from torchtitan.distributed.output_head import defer_output
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.tensor_parallel import apply_tp
 
@@ -40,6 +41,9 @@ def parallelize(
     # Expert parallel first: the experts become DTensors on ``ep`` (TP leaves DTensors alone,
     # FSDP shards them over efsdp or leaves them alone).
     experts = apply_ep(model, dims.get_mesh("ep")) if dims.ep > 1 else []
+    deferred = cfg.training.loss_chunk_size > 0  # the loss applies the output projection
+    if deferred:
+        defer_output(model, plan.tensor_parallel.output)
     if dims.tp_enabled:
         apply_tp(
             model,
@@ -48,6 +52,7 @@ def parallelize(
             plan.tensor_parallel,
             loss_parallel=not par.disable_loss_parallel,
             enable_async_tp=par.enable_async_tensor_parallel,
+            output_deferred=deferred,
         )
     if dims.cp_enabled:
         cp = plan.context_parallel
@@ -83,6 +88,7 @@ def parallelize(
             reduce_dtype=reduce_dtype,
             reshard_after_forward=reshard,
             ignored_params=set(experts),
+            cpu_offload=par.fsdp_cpu_offload,
         )
     elif dims.ddp_enabled:
         apply_ddp(model, dims.get_mesh("dp_replicate"), param_dtype, reduce_dtype)

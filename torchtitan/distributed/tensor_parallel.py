@@ -49,6 +49,7 @@ def apply_tp(
     plan: TensorParallelPlan,
     loss_parallel: bool,
     enable_async_tp: bool = False,
+    output_deferred: bool = False,
 ) -> None:
     """Shard ``model`` (a whole model or a pipeline stage of one) over the 1-D ``tp_mesh``.
 
@@ -57,9 +58,15 @@ def apply_tp(
     (the caller must compute the loss inside ``loss_parallel()``); else gather them.
     ``enable_async_tp``: overlap the TP collectives with the matmuls (CUDA + torch.compile;
     see ``enable_async_tensor_parallel``).
+    ``output_deferred``: the output projection is a ``DeferredLinear`` (chunked loss): its
+    weight is still sharded over the vocabulary, its forward returns the gathered hidden states.
     """
     root = dict(plan.root)
-    if plan.output is not None:
+    if plan.output is not None and output_deferred:
+        root[plan.output] = ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=False
+        )
+    elif plan.output is not None:
         root[plan.output] = ColwiseParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),

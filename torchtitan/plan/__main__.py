@@ -14,6 +14,8 @@ Planner options (everything else is a config override, as for ``torchtitan.train
   --mfu F                   fraction of the peak the matmuls reach (default 0.5)
   --intra_node_gbps B       collective bandwidth per device inside a node, GB/s (default 450)
   --inter_node_gbps B       ... across nodes, GB/s (default 25)
+  --host_device_gbps B      host-device bandwidth per device for CPU offload, GB/s (default 25)
+  --host_memory_gbps B      host memory bandwidth per device for the CPU optimizer step (default 10)
   --vocab_size V            vocabulary for the estimate (default: the tokenizer's, else the flavor's)
 Exit status: 0 with at least one fitting layout, 1 when none fits, 2 on a bad argument.
 """
@@ -41,6 +43,8 @@ _OPTIONS = {
     "--mfu": float,
     "--intra_node_gbps": float,
     "--inter_node_gbps": float,
+    "--host_device_gbps": float,
+    "--host_memory_gbps": float,
     "--vocab_size": int,
 }
 
@@ -99,7 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             peak_tflops=peak,
             gpus_per_node=world_size // nodes,
         )
-        for name in ("mfu", "intra_node_gbps", "inter_node_gbps"):
+        for name in (
+            "mfu",
+            "intra_node_gbps",
+            "inter_node_gbps",
+            "host_device_gbps",
+            "host_memory_gbps",
+        ):
             if name in opts:
                 hw = replace(hw, **{name: float(opts[name])})  # type: ignore[arg-type]
         cfg = parse_args(rest)
@@ -123,7 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(results)} ranked"
     )
     if not results:
-        print("no layout fits: more devices, more memory per device, or a shorter sequence")
+        print(
+            "no layout fits, even with the memory levers (chunked loss, bf16 moments, CPU "
+            "offload): more devices, more memory per device, or a shorter sequence"
+        )
         return 1
     for i, r in enumerate(results[:top], start=1):
         print(

@@ -10,7 +10,7 @@ largest of these moments (each is ``state`` + what is live only then):
   gradient working set of the block, and the gradients produced so far;
 * ``optimizer step``: parameters, gradients and both AdamW moments.
 
-``state`` is what lives all step: the parameter shards (fp32 master weights), the AdamW moments
+``state`` is what lives all step: the parameter shards (fp32 master weights, or bf16), the AdamW moments
 (two fp32 tensors per parameter shard), the gradients carried between gradient-accumulation
 microbatches, pipeline receive buffers, and, while forward/backward runs, the parameters FSDP
 has all-gathered (in the mixed-precision param dtype, or float8 with float8 all-gather).
@@ -56,12 +56,12 @@ class MemoryEstimate:
     """Bytes on one rank (the pipeline rank ``pp_rank`` that needs the most) at its peak moment."""
 
     parameters: int
-    """Parameter shards as stored (fp32 master weights), all of this rank's stages."""
+    """Parameter shards as stored (fp32 or bf16 master weights; 0 under CPU offload), all of this rank's stages."""
     gradients: int
     """Gradients alive at the peak (sharded like the parameters; none before the first backward
     produces them, all of them during the optimizer step)."""
     optimizer_states: int
-    """AdamW/Adam: two fp32 moments per parameter element of the shard."""
+    """AdamW/Adam: two moments (fp32 or bf16) per parameter element of the shard; 0 under CPU offload."""
     activations: int
     """Saved activations of every in-flight microbatch at the peak."""
     unsharded_parameters: int
@@ -80,6 +80,9 @@ class MemoryEstimate:
     per_microbatch_activations: int = 0
     """Saved activations of one microbatch on this rank's stages (no AC recompute included)."""
     notes: list[str] = field(default_factory=list)
+    host: int = 0
+    """Bytes kept in host memory instead (FSDP CPU offload: parameter and gradient shards and the
+    optimizer state); not part of ``total``."""
 
     @property
     def tensor_peak(self) -> int:
@@ -291,8 +294,34 @@ def estimate_memory(
     return best
 
 
+def optimizer_state_bytes_per_param(moments_dtype: str) -> int:
+    """Bytes of AdamW/Adam state per parameter element: two moments (docs/memory.md)."""
+    return 2 * (2 if moments_dtype == "bfloat16" else 4)
+
+
+def master_weight_bytes(cfg: JobConfig) -> int:
+    """Bytes per stored parameter element (and per gradient element): fp32 or bf16."""
+    return 2 if cfg.optimizer.master_weights_dtype == "bfloat16" else 4
+
+
 def param_dtype_bytes(cfg: JobConfig, device_type: str) -> int:
+    if cfg.optimizer.master_weights_dtype == "bfloat16":
+        return 2  # the trainer computes in bf16 with bf16 master weights
     return resolve_dtype(cfg.training.mixed_precision_param, device_type).itemsize
+
+
+def loss_working_set(tokens: int, vocab: int, act: int, chunk: int) -> tuple[int, int]:
+    """(saved per microbatch, working set at the loss backward) of the cross-entropy over
+    ``tokens`` local tokens and a ``vocab``-wide (local) vocabulary.
+
+    Whole logits: forward saves the fp32 log-softmax (``tokens x vocab``) and backward adds two
+    fp32 gradients of that size (plus the low-precision logits gradient). Chunked
+    (``chunk`` > 0, docs/memory.md): nothing vocabulary-wide is saved; backward recomputes one
+    chunk at a time, so the same three tensors exist for ``min(chunk, tokens)`` tokens."""
+    rows = tokens if chunk <= 0 else min(chunk, tokens)
+    ws = 2 * rows * vocab * 4 + (rows * vocab * act if act != 4 else 0)
+    saved = tokens * vocab * 4 if chunk <= 0 else 0
+    return saved, ws + (rows * vocab * 4 if chunk > 0 else 0)
 
 
 def _estimate_rank(
@@ -308,6 +337,8 @@ def _estimate_rank(
     tp, cp, n_shard = dims.tp, dims.cp, dims.dp_shard * dims.cp
     fsdp = dims.fsdp_enabled
     act = param_dtype_bytes(cfg, device_type)
+    mw = master_weight_bytes(cfg)  # stored parameters and their gradients
+    offload = cfg.parallelism.fsdp_cpu_offload and fsdp
     shapes = _shapes(a, tp)
     notes: list[str] = []
 
@@ -330,9 +361,14 @@ def _estimate_rank(
         return sum(_shard_elems(s, n_shard) if fsdp else s[0] * s[1] for s in shape_list)
 
     param_elems = stored(root_shapes) + len(layers) * stored(shapes.block)
-    parameters = param_elems * 4
-    optimizer_states = 2 * param_elems * 4 if steady_state else 0
-    grads_all = param_elems * 4
+    parameters = param_elems * mw
+    moments = param_elems * optimizer_state_bytes_per_param(cfg.optimizer.moments_dtype)
+    optimizer_states = moments if steady_state else 0
+    grads_all = param_elems * mw
+    host = 0
+    if offload:  # shards, their gradients and the optimizer live on the host
+        host, parameters, optimizer_states = parameters + grads_all + optimizer_states, 0, 0
+        notes.append(f"CPU offload: {format_bytes(host)} in host memory")
 
     # Parameters in their compute form while forward/backward runs.
     f8 = cfg.quantize.dense.float8
@@ -344,7 +380,7 @@ def _estimate_rank(
         notes.append("float8 all-gather: block linears gathered in float8 (1 byte)")
     unsharded_root = _full(tuple(root_shapes)) * act
     reshard = reshard_policy(p.fsdp_reshard_after_forward, dims.pp_enabled)
-    needs_copy = fsdp or dims.ddp_enabled or act != 4
+    needs_copy = fsdp or dims.ddp_enabled or act != mw
     if not needs_copy:
         unsharded_fwd = 0
         unsharded_block_live = 0
@@ -372,9 +408,9 @@ def _estimate_rank(
     head_saved = 0
     if has_head:
         # final norm (x, normed: sequence-sharded; output: gathered under TP) + fp32 log-softmax
-        head_saved = int(
-            mb_tokens
-            * ((3 * a.dim / tp if tp == 1 else 2 * a.dim / tp + a.dim) * act + vocab_local * 4)
+        head_saved = (
+            int(mb_tokens * (3 * a.dim / tp if tp == 1 else 2 * a.dim / tp + a.dim) * act)
+            + loss_working_set(mb_tokens, vocab_local, act, t.loss_chunk_size)[0]
         )
     emb_saved = mb_tokens * 8 if has_embedding else 0  # token ids
     stages = len(plan.stage_ids(pp_rank)) if plan else 1
@@ -400,15 +436,18 @@ def _estimate_rank(
     reduce_bytes = resolve_dtype(t.mixed_precision_reduce, device_type).itemsize if act != 4 else 4
     pp_fsdp = plan is not None and fsdp
     unsharded_grads = (_full(tuple(root_shapes)) + len(layers) * block_full) * reduce_bytes
-    carried_grads = grads_all if accum > 1 else 0
+    device_grads = 0 if offload else grads_all  # offloaded gradient shards go to the host
+    carried_grads = device_grads if accum > 1 else 0
     if steady:
-        carried_grads = unsharded_grads if pp_fsdp else grads_all
+        carried_grads = unsharded_grads if pp_fsdp else device_grads
 
     # --- moment 1: loss backward (head rank only has logits)
-    loss_ws = 2 * mb_tokens * vocab_local * 4 if has_head else 0
-    if has_head and act != 4:
-        loss_ws += mb_tokens * vocab_local * act  # the low-precision logits gradient
-    out_grad = _full(tuple(root_shapes)) * act if has_head and (fsdp or act != 4) else 0
+    loss_ws = loss_working_set(mb_tokens, vocab_local, act, t.loss_chunk_size)[1] if has_head else 0
+    out_grad = 0
+    if has_head and (fsdp or act != mw):
+        out_grad = _full(tuple(root_shapes)) * act
+    elif has_head and not offload:  # the head's .grad, written by the loss backward
+        out_grad = _full(shapes.head) * mw
     candidates: list[tuple[int, str, int, int, int, int]] = []
     # (total, phase, activations, working_set, gradients, unsharded)
     # Blocks resharded after forward hold nothing here; the root unit (embedding, head) does.
@@ -436,7 +475,7 @@ def _estimate_rank(
         recompute = full_block if modes[i] != "none" else per_block[i]
         # The block's own gradients: unsharded in the compute dtype before FSDP's
         # reduce-scatter, else straight into .grad.
-        own = block_full * act if (fsdp or act != 4) else stored(shapes.block) * 4
+        own = block_full * act if (fsdp or act != mw) else stored(shapes.block) * mw
         if pp_fsdp:
             own = 0 if steady else block_full * reduce_bytes
         ws = block_backward_bytes(a, mb_tokens, act, tp) + own
@@ -457,11 +496,14 @@ def _estimate_rank(
                 unsharded,
             )
         )
-        done_grads += block_full * reduce_bytes if pp_fsdp else stored(shapes.block) * 4
+        if pp_fsdp:
+            done_grads += block_full * reduce_bytes
+        elif not offload:
+            done_grads += stored(shapes.block) * mw
     # --- the embedding's backward: its whole gradient (its vocabulary rows under TP) is made
     # next to every gradient accumulated so far.
     if has_embedding:
-        new = shapes.embedding[0] * shapes.embedding[1] * (act if (fsdp or act != 4) else 4)
+        new = shapes.embedding[0] * shapes.embedding[1] * (act if (fsdp or act != mw) else mw)
         grads = max(carried_grads, done_grads) + root_grad
         unsharded = unsharded_root if fsdp and reshard else unsharded_fwd
         if not needs_copy:
@@ -470,7 +512,7 @@ def _estimate_rank(
             (below + new + grads + unsharded, "embedding backward", below, new, grads, unsharded)
         )
     # --- moment 3: the optimizer step
-    candidates.append((grads_all, "optimizer step", 0, 0, grads_all, 0))
+    candidates.append((device_grads, "optimizer step", 0, 0, device_grads, 0))
     total, phase, acts, ws, grads, unsharded = max(candidates, key=lambda c: c[0])
     return MemoryEstimate(
         parameters=parameters,
@@ -486,4 +528,5 @@ def _estimate_rank(
         in_flight_microbatches=in_flight,
         per_microbatch_activations=per_mb,
         notes=notes,
+        host=host,
     )

@@ -21,6 +21,7 @@ from torchtitan.plan.estimator import (
     GIB,
     MemoryEstimate,
     estimate_memory,
+    format_bytes,
     in_flight_microbatches,
     model_args_for,
 )
@@ -39,6 +40,25 @@ _AXIS_TEXT = {
 def pipeline_bubble(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
     """Idle fraction of a pipeline step relative to its busy time: (pp - 1) / (v * m)."""
     return (pp - 1) / (stages_per_rank * microbatches)
+
+
+def memory_levers_line(cfg: JobConfig, est: MemoryEstimate) -> str:
+    """The memory levers in effect (docs/memory.md) and what the estimate counted for them."""
+    t, o = cfg.training, cfg.optimizer
+    on = []
+    if t.loss_chunk_size > 0:
+        on.append(f"chunked cross-entropy ({t.loss_chunk_size} tokens per chunk)")
+    if o.moments_dtype == "bfloat16":
+        on.append("bf16 Adam moments (4 bytes per parameter instead of 8)")
+    if o.master_weights_dtype == "bfloat16":
+        on.append("bf16 master weights and gradients (2 + 2 bytes per parameter)")
+    if cfg.parallelism.fsdp_cpu_offload:
+        on.append(f"FSDP CPU offload ({format_bytes(est.host)} in host memory)")
+    return "memory levers: " + (
+        "; ".join(on)
+        if on
+        else "none (python -m torchtitan.plan proposes them when a layout does not fit)"
+    )
 
 
 def explain(
@@ -117,6 +137,7 @@ def explain(
     est = estimate_memory(cfg, world_size, device_type=device_type, model_args=args)
     add("memory per rank (estimate):")
     add("\n".join("  " + line for line in est.table().splitlines()))
+    add(memory_levers_line(cfg, est))
     warnings += _warnings(cfg, dims, est, accum, device_type, device_memory_bytes)
     if warnings:
         add("warnings:")

@@ -27,6 +27,7 @@ why the output lists the terms: read them as "why", not as a promise of tokens/s
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 from torchtitan.config.errors import ConfigError
@@ -40,7 +41,16 @@ from torchtitan.plan.estimator import (
     MemoryEstimate,
     block_params,
     estimate_memory,
+    format_bytes,
     param_dtype_bytes,
+)
+from torchtitan.plan.levers import (
+    LEVER_SETS,
+    NAMES,
+    apply_levers,
+    chunked_loss_seconds,
+    lever_overrides,
+    offload_seconds,
 )
 from torchtitan.preflight.validate import pipeline_plan
 
@@ -86,6 +96,10 @@ class Hardware:
     headroom: float = 0.1
     """Fraction of the memory kept free: a layout fits when its estimate is at most
     (1 - headroom) x memory_gib (the estimator is calibrated to about 10%)."""
+    host_device_gbps: float = 25.0
+    """Host-device bandwidth one device sees, GB/s, for CPU offload's copies (plan/levers.py)."""
+    host_memory_gbps: float = 10.0
+    """Host memory bandwidth one device's CPU optimizer step gets, GB/s (plan/levers.py)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +115,8 @@ class Layout:
     global_batch_size: int
     schedule: str = "1F1B"
     microbatches: int = -1
+    levers: tuple[str, ...] = ()
+    """Memory levers switched on (``plan/levers.py``)."""
 
     @property
     def accumulation(self) -> int:
@@ -119,8 +135,11 @@ class Layout:
         if self.pp > 1:
             text += f" ({self.schedule}, {self.microbatches} microbatches)"
         ac = self.ac_mode if self.ac_mode != "selective" else f"selective {self.ac_option}"
-        return f"{text}; AC {ac}; local batch {self.local_batch_size}" + (
-            f" x {self.accumulation} accumulation steps" if self.accumulation > 1 else ""
+        levers = ", ".join(NAMES[n] for n in self.levers)
+        return (
+            f"{text}; AC {ac}; local batch {self.local_batch_size}"
+            + (f" x {self.accumulation} accumulation steps" if self.accumulation > 1 else "")
+            + (f"; {levers}" if levers else "")
         )
 
     def overrides(self) -> list[str]:
@@ -144,10 +163,10 @@ class Layout:
         ]
         if self.ac_mode == "selective":
             args.append(f"--activation_checkpoint.selective_ac_option {self.ac_option}")
-        return args
+        return args + lever_overrides(self.levers)
 
     def apply(self, cfg: JobConfig) -> JobConfig:
-        out = copy.deepcopy(cfg)
+        out = apply_levers(cfg, self.levers)
         p, t, ac = out.parallelism, out.training, out.activation_checkpoint
         p.data_parallel_replicate_degree, p.data_parallel_shard_degree = (
             self.dp_replicate,
@@ -312,8 +331,19 @@ def step_time(
         "pp_p2p": pp_p2p,
         "tp_gemm": tp_gemm,
     }
-    total = work + bubble + tp + cp + fsdp + pp_p2p
     terms["imbalance"] = work - compute - recompute - tp_gemm
+    terms["chunked_loss"] = terms["offload_copies"] = terms["offload_optimizer"] = 0.0
+    if "chunked_loss" in layout.levers:
+        vocab_local = a.vocab_size / layout.tp
+        terms["chunked_loss"] = chunked_loss_seconds(tokens_device, a.dim, vocab_local, peak)
+    if "cpu_offload" in layout.levers:
+        moments = 4 if "bf16_moments" in layout.levers else 8
+        copies, optimizer = offload_seconds(
+            params_rank / n_shard, gathers, moments, hw.host_device_gbps, hw.host_memory_gbps
+        )
+        terms["offload_copies"], terms["offload_optimizer"] = copies, optimizer
+    total = work + bubble + tp + cp + fsdp + pp_p2p
+    total += terms["chunked_loss"] + terms["offload_copies"] + terms["offload_optimizer"]
     return total, terms
 
 
@@ -401,8 +431,35 @@ def plan(
     cfg: JobConfig, a: ModelArgs, world_size: int, hw: Hardware
 ) -> tuple[list[PlanResult], int, int]:
     """Fitting layouts, fastest first; plus how many were enumerated and how many did not fit."""
-    results: list[PlanResult] = []
     layouts = enumerate_layouts(cfg, a, world_size, hw)
+    # No lever first; when nothing fits, the lever sets of plan/levers.py, cheapest first.
+    for levers in LEVER_SETS:
+        candidates = [
+            dataclasses.replace(lay, levers=levers)
+            for lay in layouts
+            if "cpu_offload" not in levers or lay.dp_shard * lay.cp > 1
+        ]
+        results, too_big = _fitting(cfg, a, world_size, hw, candidates)
+        if results:
+            break
+    if not results:
+        results, too_big = [], len(layouts)
+    for r in results:
+        r.reasons = _reasons(r, hw, world_size)
+    if results and results[0].step_time_s > min(r.step_time_s for r in results):
+        fastest = min(results, key=lambda r: r.step_time_s)
+        results[0].reasons.append(
+            f"simplest layout within {hw.prefer_simpler_within:.0%} of the fastest "
+            f"({fastest.layout.describe()}: {fastest.tokens_per_s_per_device:,.0f} tokens/s)"
+        )
+    return results, len(layouts), too_big
+
+
+def _fitting(
+    cfg: JobConfig, a: ModelArgs, world_size: int, hw: Hardware, layouts: list[Layout]
+) -> tuple[list[PlanResult], int]:
+    """The layouts that fit, ranked; and how many did not fit."""
+    results: list[PlanResult] = []
     too_big = 0
     fits_at: dict[tuple, int] = {}
     for layout in layouts:
@@ -432,15 +489,7 @@ def plan(
         near = [r for r in results if r.step_time_s <= limit]
         near.sort(key=lambda r: (_dimensions(r.layout), r.layout.tp, r.step_time_s))
         results = near + results[len(near) :]
-    for r in results:
-        r.reasons = _reasons(r, hw, world_size)
-    if results and results[0].step_time_s > min(r.step_time_s for r in results):
-        fastest = min(results, key=lambda r: r.step_time_s)
-        results[0].reasons.append(
-            f"simplest layout within {hw.prefer_simpler_within:.0%} of the fastest "
-            f"({fastest.layout.describe()}: {fastest.tokens_per_s_per_device:,.0f} tokens/s)"
-        )
-    return results, len(layouts), too_big
+    return results, too_big
 
 
 def _dimensions(layout: Layout) -> int:
@@ -476,4 +525,17 @@ def _reasons(r: PlanResult, hw: Hardware, world_size: int) -> list[str]:
         out.append(f"pipeline stage imbalance {t['imbalance']:.2f} s (the head's stage is busier)")
     if t["bubble"] > 0:
         out.append(f"pipeline bubble {t['bubble']:.2f} s ({pct(t['bubble'])})")
+    if lay.levers:
+        names = ", ".join(NAMES[n] for n in lay.levers)
+        out.append(f"needs memory levers to fit (docs/memory.md): {names}")
+    if t.get("chunked_loss", 0) > 0:
+        out.append(f"chunked loss recompute {t['chunked_loss']:.2f} s ({pct(t['chunked_loss'])})")
+    if t.get("offload_copies", 0) > 0:
+        off = t["offload_copies"] + t["offload_optimizer"]
+        out.append(
+            f"CPU offload {off:.2f} s ({pct(off)}): copies {t['offload_copies']:.2f} s at "
+            f"{hw.host_device_gbps:g} GB/s host-device, CPU optimizer step "
+            f"{t['offload_optimizer']:.2f} s at {hw.host_memory_gbps:g} GB/s; "
+            f"{format_bytes(r.memory.host)} in host memory"
+        )
     return out

@@ -91,6 +91,7 @@ RULES: dict[str, Num] = {
         special=AUTO, fix="use -1 (local_batch_size x dp degree) or a multiple of it"
     ),
     "training.seq_len": count(fix="use e.g. 2048"),
+    "training.loss_chunk_size": count(low=0, fix="use 0 (whole logits) or e.g. 1024 tokens"),
     "training.max_norm": Num(fix="use e.g. 1.0, or 0 to turn clipping off"),
     "training.steps": count(fix="use e.g. 1000"),
     "training.gc_freq": count(0, fix="use e.g. 50, or 0 for Python's automatic GC"),
