@@ -30,14 +30,18 @@ pytestmark = pytest.mark.slow
 FSDP2 = ["--training.local_batch_size", "4"]
 
 
-def _train(argv: list[str], dump: str, fault: str) -> dict[str, Any]:
-    """Train with ``TORCHTITAN_FAULT=fault``; returns what the trainer saw."""
+def _train(argv: list[str], dump: str, fault: str, lr: float | None = None) -> dict[str, Any]:
+    """Train with ``TORCHTITAN_FAULT=fault``; returns what the trainer saw. ``lr`` is set after
+    the preflight, which refuses a learning rate above 1: the runtime guards must also hold for a
+    config built in Python."""
     os.environ["TORCHTITAN_FAULT"] = fault
     from torchtitan.distributed.utils import destroy_distributed
     from torchtitan.preflight.validate import load_config
     from torchtitan.trainer import Trainer
 
     cfg = load_config(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *argv])
+    if lr is not None:
+        cfg.optimizer.lr = lr
     trainer = Trainer(cfg)
     try:
         trainer.train()
@@ -176,7 +180,7 @@ def test_torchrun_restart_after_sigkill_matches_fault_free_run(tmp_path: Path) -
 
 def _diverge(argv: list[str], dump: str) -> str:
     try:
-        _train(argv, dump, "")
+        _train(argv, dump, "", lr=1e6)
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
     return "finished"
@@ -189,7 +193,6 @@ def test_diverging_run_under_skip_step_aborts_without_nan_checkpoints(tmp_path: 
 
     argv = [
         *ckpt_argv("--training.local_batch_size", "8", steps=30, interval=2),
-        "--optimizer.lr", "1e6",
         "--training.nonfinite_policy", "skip_step",
         "--training.max_consecutive_skips", "3",
     ]  # fmt: skip
