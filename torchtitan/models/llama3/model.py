@@ -190,6 +190,24 @@ _BLOCK_NORMS = ("attention_norm.weight", "ffn_norm.weight")
 _WRAPPER_SEGMENTS = ("_orig_mod.", "_checkpoint_wrapped_module.")
 
 
+def restore_after_apply(model: Any) -> None:
+    """What ``nn.Module._apply`` undoes, put back (a decoder's ``_apply`` calls this after
+    ``super()._apply``): it converts each module's parameters separately, so moving the model
+    (to_empty from meta in particular) would untie a shared embedding/output matrix, and a dtype
+    cast (model.to(torch.bfloat16)) would turn the complex RoPE table real. ``model`` has
+    ``args.tie_word_embeddings``, ``tok_embeddings``, ``output``, ``freqs_cis`` and
+    ``_compute_freqs_cis(device)``."""
+    if not model.freqs_cis.is_complex():
+        model.freqs_cis = model._compute_freqs_cis(model.freqs_cis.device)
+    if (
+        model.args.tie_word_embeddings
+        and model.tok_embeddings is not None
+        and model.output is not None
+        and model.output.weight is not model.tok_embeddings.weight
+    ):
+        model.output.weight = model.tok_embeddings.weight
+
+
 class Transformer(nn.Module):
     """Llama 3 decoder: embedding, ``n_layers`` blocks, final RMSNorm, output projection.
 
@@ -230,19 +248,8 @@ class Transformer(nn.Module):
         )
 
     def _apply(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> Transformer:
-        # nn.Module._apply converts each module's parameters separately, so moving the model
-        # (to_empty from meta in particular) would untie a shared embedding/output matrix.
-        # A dtype cast (model.to(torch.bfloat16)) would also turn the complex RoPE table real.
         super()._apply(fn, recurse)
-        if not self.freqs_cis.is_complex():
-            self.freqs_cis = self._compute_freqs_cis(self.freqs_cis.device)
-        if (
-            self.args.tie_word_embeddings
-            and self.tok_embeddings is not None
-            and self.output is not None
-            and self.output.weight is not self.tok_embeddings.weight
-        ):
-            self.output.weight = self.tok_embeddings.weight
+        restore_after_apply(self)
         return self
 
     def forward(

@@ -30,6 +30,7 @@ from torchtitan.models.llama3.model import (
     apply_rotary_emb,
     precompute_freqs_cis,
     repeat_kv,
+    restore_after_apply,
 )
 from torchtitan.models.qwen3.args import Qwen3Args
 
@@ -149,15 +150,7 @@ class Transformer(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> Transformer:
         # As in Llama 3: keep the tied matrix tied and the RoPE table complex across moves/casts.
         super()._apply(fn, recurse)
-        if not self.freqs_cis.is_complex():
-            self.freqs_cis = self._compute_freqs_cis(self.freqs_cis.device)
-        if (
-            self.args.tie_word_embeddings
-            and self.tok_embeddings is not None
-            and self.output is not None
-            and self.output.weight is not self.tok_embeddings.weight
-        ):
-            self.output.weight = self.tok_embeddings.weight
+        restore_after_apply(self)
         return self
 
     def forward(
