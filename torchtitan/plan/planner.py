@@ -52,6 +52,12 @@ from torchtitan.plan.levers import (
     lever_overrides,
     offload_seconds,
 )
+from torchtitan.plan.moe_plan import (
+    active_block_params,
+    ep_choices,
+    expert_params,
+    moe_step_terms,
+)
 from torchtitan.preflight.validate import pipeline_plan
 
 CP_CHOICES = (1, 2, 4, 8, 16)
@@ -117,6 +123,8 @@ class Layout:
     microbatches: int = -1
     levers: tuple[str, ...] = ()
     """Memory levers switched on (``plan/levers.py``)."""
+    ep: int = 1
+    """Expert parallel degree, borrowed from ``dp_shard`` (MoE models, ``plan/moe_plan.py``)."""
 
     @property
     def accumulation(self) -> int:
@@ -127,7 +135,7 @@ class Layout:
         if self.dp_replicate > 1:
             parts.append(f"dp_replicate {self.dp_replicate}")
         if self.dp_shard > 1:
-            parts.append(f"FSDP {self.dp_shard}")
+            parts.append(f"FSDP {self.dp_shard}" + (f" (EP {self.ep})" if self.ep > 1 else ""))
         for name, d in (("TP", self.tp), ("CP", self.cp), ("PP", self.pp)):
             if d > 1:
                 parts.append(f"{name} {d}")
@@ -163,6 +171,8 @@ class Layout:
         ]
         if self.ac_mode == "selective":
             args.append(f"--activation_checkpoint.selective_ac_option {self.ac_option}")
+        if self.ep > 1:
+            args.append(f"--parallelism.expert_parallel_degree {self.ep}")
         return args + lever_overrides(self.levers)
 
     def apply(self, cfg: JobConfig) -> JobConfig:
@@ -174,6 +184,7 @@ class Layout:
         )
         p.tensor_parallel_degree, p.context_parallel_degree = self.tp, self.cp
         p.pipeline_parallel_degree = self.pp
+        p.expert_parallel_degree = self.ep
         p.pipeline_parallel_schedule, p.pipeline_parallel_microbatches = (
             self.schedule,
             self.microbatches,
@@ -231,7 +242,7 @@ def step_time(
     act = param_dtype_bytes(cfg, "cuda")
     g = hw.gpus_per_node
     tokens_device = layout.global_batch_size * seq / world_size
-    all_blocks = a.n_layers * block_params(a)
+    all_blocks = a.n_layers * active_block_params(a, block_params(a))
     block_flops_fwd_token = 2 * all_blocks + 4 * a.n_layers * a.n_heads * a.head_dim * seq
     peak = hw.peak_tflops * 1e12 * hw.mfu
     compute = tokens_device * MODELS[cfg.model.name].flops_per_token(a, seq) / peak
@@ -271,8 +282,12 @@ def step_time(
         if layout.cp > 1
         else 0.0
     )
-    # FSDP / HSDP / DDP: this rank's parameters (after TP and PP).
-    params_rank = MODELS[cfg.model.name].num_params(a) / layout.tp / layout.pp
+    # FSDP / HSDP / DDP: this rank's parameters (after TP and PP); routed experts apart (replicated
+    # over TP, E / ep of them gathered over efsdp = dp_shard / ep, plan/moe_plan.py).
+    experts = expert_params(a)
+    params_rank = (MODELS[cfg.model.name].num_params(a) - experts) / layout.tp / layout.pp
+    experts_rank = experts / layout.pp / layout.ep
+    efsdp = layout.dp_shard * layout.cp // layout.ep
     n_shard = layout.dp_shard * layout.cp
     shard_spans = layout.tp * n_shard > g
     grad_bytes = 4 if cfg.training.mixed_precision_reduce == "float32" else 2
@@ -284,9 +299,15 @@ def step_time(
     if n_shard > 1:
         gather_s = gathers * _collective_s(params_rank * act, n_shard, hw, shard_spans)
         reduce_s = reduces * _collective_s(params_rank * grad_bytes, n_shard, hw, shard_spans)
+    if experts and efsdp > 1:
+        gather_s += gathers * _collective_s(experts_rank * act, efsdp, hw, shard_spans)
+        reduce_s += reduces * _collective_s(experts_rank * grad_bytes, efsdp, hw, shard_spans)
     if layout.dp_replicate > 1:  # all-reduce of the gradient shards across replicas
         reduce_s += 2 * _collective_s(
-            params_rank / n_shard * grad_bytes, layout.dp_replicate, hw, True
+            (params_rank / n_shard + experts_rank / efsdp) * grad_bytes,
+            layout.dp_replicate,
+            hw,
+            True,
         )
     fsdp_total = gather_s + reduce_s
     work = compute + recompute + tp_gemm
@@ -300,7 +321,7 @@ def step_time(
         v = plan.stages_per_rank
         # The pipeline runs at the pace of its busiest rank; the head (output projection and
         # loss, the last unit) costs about vocab * dim / block params blocks of work.
-        head = a.vocab_size * a.dim / block_params(a)
+        head = a.vocab_size * a.dim / active_block_params(a, block_params(a))
         model_plan = MODELS[cfg.model.name].parallel_plan(a)
         head_unit = model_plan.unit_names[-1]
         load = [
@@ -342,7 +363,9 @@ def step_time(
             params_rank / n_shard, gathers, moments, hw.host_device_gbps, hw.host_memory_gbps
         )
         terms["offload_copies"], terms["offload_optimizer"] = copies, optimizer
-    total = work + bubble + tp + cp + fsdp + pp_p2p
+    frac = _recompute_fraction(a, layout.ac_mode, layout.ac_option)
+    terms.update(moe_step_terms(a, layout, hw, seq, act, peak, frac))
+    total = work + bubble + tp + cp + fsdp + pp_p2p + terms["all_to_all"] + terms["moe_tp"]
     total += terms["chunked_loss"] + terms["offload_copies"] + terms["offload_optimizer"]
     return total, terms
 
@@ -379,7 +402,12 @@ def enumerate_layouts(cfg: JobConfig, a: ModelArgs, world_size: int, hw: Hardwar
                 per_dp = gbs // dp
                 in_node = max(1, g // (tp * cp))
                 replicas = {1, dp} | ({dp // in_node} if dp % in_node == 0 else set())
-                for r in sorted(replicas):
+                splits = [
+                    (rep, ep)
+                    for rep in sorted(replicas)
+                    for ep in ep_choices(cfg, world_size, rep, dp // rep, cp, tp, pp)
+                ]
+                for r, ep in splits:
                     for accum in divisors(per_dp):
                         local = per_dp // accum
                         for mode, option in AC_CHOICES:
@@ -397,6 +425,7 @@ def enumerate_layouts(cfg: JobConfig, a: ModelArgs, world_size: int, hw: Hardwar
                                         global_batch_size=gbs,
                                         schedule=schedule,
                                         microbatches=mb,
+                                        ep=ep,
                                     )
                                 )
     return out
@@ -472,6 +501,7 @@ def _fitting(
             layout.ac_mode,
             layout.ac_option,
             layout.schedule,
+            layout.ep,
         )
         if key in fits_at and layout.accumulation > fits_at[key]:
             continue
@@ -495,6 +525,7 @@ def _fitting(
 def _dimensions(layout: Layout) -> int:
     """Parallel dimensions in use (FSDP or DDP counts as one, HSDP as two)."""
     dims = [layout.dp_shard > 1, layout.dp_replicate > 1, layout.tp > 1, layout.pp > 1]
+    dims.append(layout.ep > 1)
     return sum(dims) + (layout.cp > 1) + (layout.accumulation > 1)
 
 
@@ -521,6 +552,14 @@ def _reasons(r: PlanResult, hw: Hardware, world_size: int) -> list[str]:
         out.append(f"TP-narrowed matmuls {t['tp_gemm']:.2f} s slower ({pct(t['tp_gemm'])})")
     if t["cp"] > 0:
         out.append(f"CP K/V all-gathers {t['cp']:.2f} s ({pct(t['cp'])})")
+    if t.get("all_to_all", 0) > 0:
+        where = "across nodes" if lay.ep * lay.cp * lay.tp > hw.gpus_per_node else "in a node"
+        out.append(
+            f"expert parallel EP {lay.ep}: all-to-all {t['all_to_all']:.2f} s ({pct(t['all_to_all'])}) "
+            f"{where}, {format_bytes(t['all_to_all_bytes'])} sent per rank and step"
+        )
+    if t.get("moe_tp", 0) > 0:
+        out.append(f"MoE blocks run whole on each TP rank: {t['moe_tp']:.2f} s more expert compute")
     if t.get("imbalance", 0) > 0:
         out.append(f"pipeline stage imbalance {t['imbalance']:.2f} s (the head's stage is busier)")
     if t["bubble"] > 0:
