@@ -43,6 +43,7 @@ __all__ = [
     "all_to_all_bytes",
     "block_sizes",
     "expert_layout",
+    "layer_expert_elems",
     "moe_activation_delta",
     "moe_backward_delta",
     "moe_of",
@@ -128,15 +129,20 @@ def block_sizes(
     d, s = a.dim, moe.num_shared_experts * moe.expert_dim
     ffn = [(moe.num_experts, d)] + ([(s, d), (d, s), (s, d)] if s else [])
     dense_part = attention + ffn + shapes[7:] + extra
-    lay = expert_layout(moe, ep, n_shard, fsdp)
-    per_expert = expert_elems(a)
+    experts_stored, experts_gathered = layer_expert_elems(a, ep, n_shard, fsdp)
     dense_gathered = sum(x * y for x, y in dense_part)
-    lin = sum(x * y for x, y in attention + ffn) + lay.gathered_experts * per_expert
     return BlockSizes(
-        stored=stored(dense_part) + lay.stored_experts * per_expert,
-        gathered=dense_gathered + lay.gathered_experts * per_expert,
-        linear_gathered=lin,
+        stored=stored(dense_part) + experts_stored,
+        gathered=dense_gathered + experts_gathered,
+        linear_gathered=sum(x * y for x, y in attention + ffn) + experts_gathered,
     )
+
+
+def layer_expert_elems(a: Any, ep: int, n_shard: int, fsdp: bool) -> tuple[int, int]:
+    """(stored, gathered) routed-expert elements of one MoE layer on one rank: the estimator's
+    block sizes and explain's expert memory both come from here."""
+    lay = expert_layout(a.moe, ep, n_shard, fsdp)
+    return lay.stored_experts * expert_elems(a), lay.gathered_experts * expert_elems(a)
 
 
 # ---------------------------------------------------------------------- activations
