@@ -13,13 +13,12 @@ from typing import Any
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.plan.estimator import (
+    format_bytes,
     master_weight_bytes,
     optimizer_state_bytes_per_param,
     param_dtype_bytes,
 )
 from torchtitan.plan.moe_memory import all_to_all_bytes, expert_layout, layer_expert_elems
-
-GIB = 1024**3
 
 
 def moe_lines(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str) -> list[str]:
@@ -45,14 +44,14 @@ def moe_lines(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str) -
         f"{active / 1e9:,.2f} B active per token ({active / total:.1%})",
         f"  per rank: {lay.local_experts} experts per layer (ep={lay.ep}), sharded over "
         f"efsdp={lay.efsdp}: {held / 1e6:,.1f} M expert parameters, "
-        f"{held * per_elem / GIB:.2f} GiB with gradients and optimizer states; "
-        f"{gathered * act / 2**20:,.1f} MiB gathered per MoE layer while it runs",
+        f"{format_bytes(held * per_elem)} with gradients and optimizer states; "
+        f"{format_bytes(gathered * act)} gathered per MoE layer while it runs",
     ]
     if dims.ep > 1:
         one_way = all_to_all_bytes(args, tokens, act, dims.ep)
         lines.append(
-            f"  all-to-all: {one_way / 2**20:,.1f} MiB sent per MoE layer and direction per "
-            f"micro-step (uniform routing), {4 * n_layers * one_way / GIB:.2f} GiB per "
+            f"  all-to-all: {format_bytes(one_way)} sent per MoE layer and direction per "
+            f"micro-step (uniform routing), {format_bytes(4 * n_layers * one_way)} per "
             "micro-step (dispatch + combine, forward + backward)"
         )
     lines.append(
