@@ -97,11 +97,29 @@ def _measure(argv: list[str], steps: int) -> int:
 CASES = {
     "moe-1rank-ac-none": (1, []),
     "moe-1rank-ac-full": (1, ["--activation_checkpoint.mode", "full"]),
+    "moe-1rank-ac-op": (
+        1,
+        [
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ],
+    ),
+    "moe-1rank-ac-sel2": (
+        1,
+        [
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "2",
+        ],
+    ),
     "moe-ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
     "moe-fsdp2": (2, []),
     "moe-ep2xfsdp2": (4, ["--parallelism.expert_parallel_degree", "2"]),
 }
-SLOW = {"moe-fsdp2", "moe-ep2xfsdp2"}
+SLOW = {"moe-1rank-ac-sel2", "moe-fsdp2", "moe-ep2xfsdp2"}
 
 
 @pytest.mark.parametrize(

@@ -492,17 +492,22 @@ def _estimate_rank(
     below = activations_all - (per_mb - emb_saved) // max(stages, 1) if plan else emb_saved
     below_blocks = sorted(layers)
     root_grad = 0 if pp_fsdp and steady else out_grad  # else already in the carried gradients
+
+    def own_grads(gathered: int, stored: int) -> int:
+        """A block's own gradients: unsharded in the compute dtype before FSDP's
+        reduce-scatter, else straight into .grad."""
+        if pp_fsdp:
+            return 0 if steady else gathered * reduce_bytes
+        return gathered * act if (fsdp or act != mw) else stored * mw
+
     for idx in range(len(below_blocks) - 1, -1, -1):
         i = below_blocks[idx]
         lower = sum(per_block[j] for j in below_blocks[:idx])
         recompute = full_block[i] if modes[i] != "none" else per_block[i]
-        # The block's own gradients: unsharded in the compute dtype before FSDP's
-        # reduce-scatter, else straight into .grad.
-        own = sizes[i].gathered * act if (fsdp or act != mw) else sizes[i].stored * mw
-        if pp_fsdp:
-            own = 0 if steady else sizes[i].gathered * reduce_bytes
+        own = own_grads(sizes[i].gathered, sizes[i].stored)
         ws = block_backward_bytes(a, mb_tokens, act, tp) + own
-        ws += moe_terms.moe_backward_delta(a, i, mb_tokens, act, tp)
+        experts = own_grads(sizes[i].experts_gathered, sizes[i].experts_stored)
+        ws += moe_terms.moe_backward_delta(a, i, mb_tokens, act, tp, experts)
         grads = max(carried_grads, done_grads) + root_grad
         live = below + lower + recompute
         unsharded = (
