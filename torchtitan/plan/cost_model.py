@@ -24,7 +24,12 @@ from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.plan.estimator import block_params, param_dtype_bytes
 from torchtitan.plan.layout import Hardware, Layout
 from torchtitan.plan.levers import chunked_loss_seconds, offload_seconds
-from torchtitan.plan.moe_plan import active_block_params, expert_params, moe_step_terms
+from torchtitan.plan.moe_plan import (
+    active_block_params,
+    expert_params,
+    moe_op_recompute_fraction,
+    moe_step_terms,
+)
 from torchtitan.preflight.validate import pipeline_plan
 
 __all__ = ["step_time"]
@@ -48,6 +53,9 @@ def _recompute_fraction(a: ModelArgs, ac_mode: str, ac_option: str) -> float:
     if ac_mode == "full":
         return 1.0
     if ac_mode == "selective" and ac_option == "op":
+        moe = moe_op_recompute_fraction(a)
+        if moe is not None:
+            return moe
         # wk, wo and w3 (every second matmul) are recomputed.
         d, kv = a.dim, a.kv_heads * a.head_dim
         recomputed = d * kv + d * d + d * a.hidden_dim

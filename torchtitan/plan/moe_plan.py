@@ -30,7 +30,13 @@ from torchtitan.models import MODELS
 from torchtitan.plan.moe_memory import all_to_all_bytes, moe_of
 from torchtitan.preflight.validate_moe import validate_expert_parallel
 
-__all__ = ["active_block_params", "ep_choices", "expert_params", "moe_step_terms"]
+__all__ = [
+    "active_block_params",
+    "ep_choices",
+    "expert_params",
+    "moe_op_recompute_fraction",
+    "moe_step_terms",
+]
 
 
 def expert_params(a: Any) -> int:
@@ -50,6 +56,20 @@ def active_block_params(a: Any, dense_block_params: int) -> float:
     active = a.num_params(exclude_embedding=True, active=True)
     output = 0 if a.tie_word_embeddings else a.vocab_size * a.dim
     return (active - output - a.dim) / a.n_layers  # less the final norm
+
+
+def moe_op_recompute_fraction(a: Any) -> float | None:
+    """Recomputed share of an MoE block's forward FLOPs under op-level AC (None: dense). The
+    policy saves every second ``mm`` (wq, wv, the router, the shared experts' w3); the grouped
+    GEMMs are no ``mm``, so the routed experts run again, with wk, wo and the shared w1, w2."""
+    moe = moe_of(a)
+    if moe is None:
+        return None
+    d, q, kv = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim
+    s = moe.num_shared_experts * moe.expert_dim
+    routed = moe.top_k * 3 * d * moe.expert_dim
+    recomputed = d * kv + q * d + routed + 2 * d * s
+    return recomputed / (2 * d * q + 2 * d * kv + moe.num_experts * d + routed + 3 * d * s)
 
 
 def ep_choices(
