@@ -94,3 +94,21 @@ def test_a_dense_model_never_gets_ep() -> None:
     results = _plan(str(ROOT / "train_configs" / "qwen3_8b.toml"), 8)
     assert results and all(r.layout.ep == 1 for r in results)
     assert "expert_parallel" not in " ".join(results[0].layout.overrides())
+
+
+def test_moe_recompute_and_tp_terms() -> None:
+    """Op-level AC recomputes wk, wo and the routed experts of an MoE block; TP repeats the
+    expert FLOPs on every TP rank."""
+    from torchtitan.plan.moe_plan import moe_op_recompute_fraction
+
+    cfg = parse_args(["--job.config_file", MOE_TOML])
+    a = model_args_for(cfg, vocab_size=QWEN3_VOCAB)
+    routed = 8 * 3 * 2048 * 768
+    recomputed = 2048 * 512 + 4096 * 2048 + routed
+    total = 2 * 2048 * 4096 + 2 * 2048 * 512 + 128 * 2048 + routed
+    assert moe_op_recompute_fraction(a) == pytest.approx(recomputed / total)
+    hw = Hardware(memory_gib=80)
+    _, terms = step_time(cfg, a, Layout(1, 4, 2, 1, 1, "none", "2", 1, 4), hw, 8)
+    # A TP group's 4096 tokens x 48 layers x 6 x routed FLOPs, half of it extra per TP rank.
+    peak = hw.peak_tflops * 1e12 * hw.mfu
+    assert terms["moe_tp"] == pytest.approx(4096 * 48 * 6 * routed / 2 / peak)
