@@ -31,21 +31,9 @@ def _saved_bytes(flavor: str, tokens: int = 128) -> tuple[int, int]:
     grouped_mm_supported("cpu", torch.float32)
     args = dataclasses.replace(QWEN3_FLAVORS[flavor], n_layers=1, max_seq_len=64)
     torch.manual_seed(0)
-    model = Transformer(args)
-    x = torch.randn(tokens // 64, 64, args.dim, requires_grad=True)
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s._cdata not in params and t.dtype != torch.complex64:  # weights, RoPE table
-            saved[s._cdata] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers["0"](x, model.freqs_cis[:64])
+    got = dense.saved_block_bytes(Transformer(args), args.dim, tokens // 64)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
-    return sum(saved.values()), _layer_activations(args, 0, tokens, 4, dims, "none")
+    return got, _layer_activations(args, 0, tokens, 4, dims, "none")
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
@@ -94,49 +82,19 @@ def _measure(argv: list[str], steps: int) -> int:
     return dense._measure(argv, steps)
 
 
+SAC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option"]
+PP_MB4 = ["--parallelism.pipeline_parallel_microbatches", "4"]
 CASES = {
     "moe-1rank-ac-none": (1, []),
     "moe-1rank-ac-full": (1, ["--activation_checkpoint.mode", "full"]),
-    "moe-1rank-ac-op": (
-        1,
-        [
-            "--activation_checkpoint.mode",
-            "selective",
-            "--activation_checkpoint.selective_ac_option",
-            "op",
-        ],
-    ),
-    "moe-1rank-ac-sel2": (
-        1,
-        [
-            "--activation_checkpoint.mode",
-            "selective",
-            "--activation_checkpoint.selective_ac_option",
-            "2",
-        ],
-    ),
+    "moe-1rank-ac-op": (1, [*SAC, "op"]),
+    "moe-1rank-ac-sel2": (1, [*SAC, "2"]),
     "moe-ep2": (2, ["--parallelism.expert_parallel_degree", "2"]),
     "moe-fsdp2": (2, []),
     "moe-ep2xfsdp2": (4, ["--parallelism.expert_parallel_degree", "2"]),
     # MoE blocks under TP run whole on each rank (replicated weights, gathered sequence).
-    "moe-tp2": (
-        2,
-        [
-            "--parallelism.tensor_parallel_degree",
-            "2",
-            "--parallelism.data_parallel_shard_degree",
-            "1",
-        ],
-    ),
-    "moe-pp2": (
-        2,
-        [
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-            "--parallelism.pipeline_parallel_microbatches",
-            "4",
-        ],
-    ),
+    "moe-tp2": (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    "moe-pp2": (2, ["--parallelism.pipeline_parallel_degree", "2", *PP_MB4]),
 }
 SLOW = {"moe-1rank-ac-sel2", "moe-fsdp2", "moe-ep2xfsdp2", "moe-tp2", "moe-pp2"}
 
@@ -148,15 +106,4 @@ def test_moe_estimate_within_10_percent_of_measured_peak(name: str, tmp_path: ob
     world_size, overrides = CASES[name]
     argv = [*dense.BASE, "--job.dump_folder", str(tmp_path), *MOE, *overrides]
     measured = run_ranks(_measure, world_size, argv, 2)
-    cfg = parse_args(argv)
-    pp = cfg.parallelism.pipeline_parallel_degree
-    per_pp = world_size // pp
-    for r in range(pp):  # pp is the outermost mesh axis
-        peak = max(measured[r * per_pp : (r + 1) * per_pp])
-        est = estimate_memory(cfg, world_size, device_type="cpu", pp_rank=r)
-        err = (est.tensor_peak - peak) / peak
-        print(
-            f"{name} pp rank {r}: estimate {est.tensor_peak / 2**20:.1f} MiB ({est.phase}), "
-            f"measured {peak / 2**20:.1f} MiB, error {err:+.1%}"
-        )
-        assert abs(err) <= dense.TOLERANCE
+    dense.assert_estimate_matches(name, argv, world_size, measured)

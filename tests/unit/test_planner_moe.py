@@ -8,31 +8,24 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_planner import _plan as plan_for
 from torchtitan.config.manager import parse_args
 from torchtitan.plan.estimator import GIB, model_args_for
 from torchtitan.plan.moe_memory import all_to_all_bytes
 from torchtitan.plan.moe_plan import ep_choices
-from torchtitan.plan.planner import Hardware, Layout, PlanResult, plan, step_time
+from torchtitan.plan.planner import Hardware, Layout, PlanResult, step_time
 from torchtitan.preflight.validate import validate_config
 
 pytestmark = pytest.mark.usefixtures("newest_torch_rules")
 
 ROOT = Path(__file__).resolve().parents[2]
-MOE_TOML = str(ROOT / "train_configs" / "qwen3_30b_a3b.toml")
+MOE = "qwen3_30b_a3b.toml"
+MOE_TOML = str(ROOT / "train_configs" / MOE)
 QWEN3_VOCAB = 151936
 
 
-def _plan(toml: str, world_size: int, *overrides: str) -> list[PlanResult]:
-    cfg = parse_args(["--job.config_file", toml, *overrides])
-    args = model_args_for(cfg, vocab_size=QWEN3_VOCAB)
-    results, n, too_big = plan(cfg, args, world_size, Hardware(memory_gib=80))
-    print(f"{toml} on {world_size}: {n} layouts, {too_big} too big, {len(results)} fit")
-    for i, r in enumerate(results[:5], start=1):
-        print(
-            f"  #{i} {r.tokens_per_s_per_device:7.0f} tokens/s  {r.memory.total / GIB:5.1f} GiB  "
-            f"{r.layout.describe()}  a2a {r.terms['all_to_all']:.3f} s"
-        )
-    return results
+def _plan(name: str, world_size: int) -> list[PlanResult]:
+    return plan_for(name, world_size, vocab=QWEN3_VOCAB)
 
 
 def _validates(toml: str, r: PlanResult, world_size: int) -> None:
@@ -74,7 +67,7 @@ def test_all_to_all_term() -> None:
 
 def test_30b_a3b_at_its_published_size_plans_expert_parallel() -> None:
     """16 devices (two nodes of 8, the config's own world size), 80 GiB."""
-    results = _plan(MOE_TOML, 16)
+    results = _plan(MOE, 16)
     top = results[0]
     assert top.layout.ep > 1, top.layout.describe()
     assert f"(EP {top.layout.ep})" in top.layout.describe()
@@ -84,14 +77,14 @@ def test_30b_a3b_at_its_published_size_plans_expert_parallel() -> None:
 
 
 def test_30b_a3b_on_64_devices_ranks_an_ep_layout() -> None:
-    results = _plan(MOE_TOML, 64)
+    results = _plan(MOE, 64)
     ep = [r for r in results[:3] if r.layout.ep > 1]
     assert ep, "an expert-parallel layout among the top three"
     _validates(MOE_TOML, ep[0], 64)
 
 
 def test_a_dense_model_never_gets_ep() -> None:
-    results = _plan(str(ROOT / "train_configs" / "qwen3_8b.toml"), 8)
+    results = _plan("qwen3_8b.toml", 8)
     assert results and all(r.layout.ep == 1 for r in results)
     assert "expert_parallel" not in " ".join(results[0].layout.overrides())
 
