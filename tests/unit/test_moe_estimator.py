@@ -107,3 +107,37 @@ def test_moe_estimate_within_10_percent_of_measured_peak(name: str, tmp_path: ob
     argv = [*dense.BASE, "--job.dump_folder", str(tmp_path), *MOE, *overrides]
     measured = run_ranks(_measure, world_size, argv, 2)
     dense.assert_estimate_matches(name, argv, world_size, measured)
+
+
+def test_explain_counts_the_experts_of_a_pipeline_rank() -> None:
+    """EP 2 x PP 2 on 4 ranks: a rank holds 2 of the 4 MoE layers, 4 experts each, kept whole."""
+    from torchtitan.plan.explain import explain
+
+    over = ["--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_degree"]
+    cfg = parse_args([*dense.BASE, *MOE, *over, "2"])
+    text = explain(cfg, 4, device_type="cpu")
+    per_rank = 2 * 4 * 3 * 256 * 128  # layers x experts x w1 w2 w3
+    assert "(pp rank with the most: 2 MoE layers): 4 experts per layer (ep=2)" in text
+    assert f"{per_rank / 1e6:,.1f} M expert parameters" in text
+    assert f"{per_rank * 16 / 2**20:.1f} MiB with gradients and optimizer states" in text
+
+
+def test_explain_counts_the_experts_in_its_memory_table() -> None:
+    """30B-A3B, EP 8 on 16 ranks: explain's expert lines and the estimate share one count."""
+    from tests.unit.test_big_configs import ROOT
+    from torchtitan.plan.explain import explain
+    from torchtitan.plan.moe_memory import layer_expert_elems
+
+    path = str(ROOT / "train_configs" / "qwen3_30b_a3b.toml")
+    cfg = parse_args(["--job.config_file", path, "--parallelism.expert_parallel_degree", "8"])
+    text = explain(cfg, 16, device_type="cuda")
+    print(text)
+    assert "dense" not in text
+    a = model_args_for(cfg)
+    stored, gathered = layer_expert_elems(a, 8, 16, True)
+    assert (stored, gathered) == (8 * 3 * 2048 * 768, 16 * 3 * 2048 * 768)
+    assert f"{48 * stored / 1e6:,.1f} M expert parameters, 27.00 GiB" in text
+    assert "144.0 MiB gathered per MoE layer" in text  # 16 experts x 3 x 2048 x 768 x bf16
+    est = estimate_memory(cfg, 16, device_type="cuda", model_args=a)
+    # Every expert shard is in the estimate's parameters: 4 bytes x 48 x 8 experts.
+    assert est.parameters > 4 * 48 * stored

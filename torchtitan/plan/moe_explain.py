@@ -12,13 +12,20 @@ from typing import Any
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.models import MODELS
 from torchtitan.plan.estimator import (
     format_bytes,
     master_weight_bytes,
     optimizer_state_bytes_per_param,
     param_dtype_bytes,
 )
-from torchtitan.plan.moe_memory import all_to_all_bytes, expert_layout, layer_expert_elems
+from torchtitan.plan.moe_memory import (
+    all_to_all_bytes,
+    expert_layout,
+    layer_expert_elems,
+    moe_layers_per_rank,
+)
+from torchtitan.preflight.validate import pipeline_plan
 
 
 def moe_lines(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str) -> list[str]:
@@ -26,7 +33,7 @@ def moe_lines(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str) -
     moe = getattr(args, "moe", None)
     if moe is None:
         return []
-    n_layers = int(args.n_moe_layers)
+    n_layers = moe_layers_per_rank(args, _blocks_of_ranks(cfg, args))
     total, active = int(args.num_params()), int(args.num_params(active=True))
     act = param_dtype_bytes(cfg, device_type)
     n_shard = dims.dp_shard * dims.cp
@@ -38,11 +45,12 @@ def moe_lines(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str) -
         cfg.optimizer.moments_dtype
     )
     tokens = cfg.training.local_batch_size * cfg.training.seq_len // dims.cp
+    where = f" (pp rank with the most: {n_layers} MoE layers)" if dims.pp > 1 else ""
     lines = [
-        f"experts: {n_layers} MoE layers x {moe.num_experts} experts (top-{moe.top_k}, width "
+        f"experts: {int(args.n_moe_layers)} MoE layers x {moe.num_experts} experts (top-{moe.top_k}, width "
         f"{moe.expert_dim}, {moe.num_shared_experts} shared); {total / 1e9:,.2f} B parameters, "
         f"{active / 1e9:,.2f} B active per token ({active / total:.1%})",
-        f"  per rank: {lay.local_experts} experts per layer (ep={lay.ep}), sharded over "
+        f"  per rank{where}: {lay.local_experts} experts per layer (ep={lay.ep}), sharded over "
         f"efsdp={lay.efsdp}: {held / 1e6:,.1f} M expert parameters, "
         f"{format_bytes(held * per_elem)} with gradients and optimizer states; "
         f"{format_bytes(gathered * act)} gathered per MoE layer while it runs",
@@ -59,3 +67,20 @@ def moe_lines(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str) -
         "the routed rows each MoE block saves (docs/planning.md, MoE)"
     )
     return lines
+
+
+def _blocks_of_ranks(cfg: JobConfig, args: Any) -> list[list[int]]:
+    """Each pipeline rank's block ids (all blocks on one rank without pipeline parallel)."""
+    plan = pipeline_plan(cfg)
+    if plan is None:
+        return [list(range(args.n_layers))]
+    prefix = MODELS[cfg.model.name].parallel_plan(args).blocks + "."
+    return [
+        [
+            int(u[len(prefix) :])
+            for s in plan.stage_ids(r)
+            for u in plan.stage_units[s]
+            if u.startswith(prefix)
+        ]
+        for r in range(plan.pp_degree)
+    ]

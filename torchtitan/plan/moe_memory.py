@@ -46,6 +46,7 @@ __all__ = [
     "layer_expert_elems",
     "moe_activation_delta",
     "moe_backward_delta",
+    "moe_layers_per_rank",
     "moe_of",
     "qk_norm_activation_bytes",
 ]
@@ -57,6 +58,12 @@ def moe_of(a: Any, layer: int | None = None) -> Any:
     if moe is None or (layer is not None and not a.is_moe_layer(layer)):
         return None
     return moe
+
+
+def moe_layers_per_rank(a: Any, blocks_of_ranks: list[list[int]]) -> int:
+    """MoE layers on the rank that holds the most (``blocks_of_ranks``: each pipeline rank's
+    block ids; one list without pipeline parallel)."""
+    return max(sum(a.is_moe_layer(i) for i in blocks) for blocks in blocks_of_ranks)
 
 
 @dataclass(frozen=True)
