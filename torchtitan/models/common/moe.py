@@ -5,7 +5,7 @@ normalisation), routed SwiGLU experts held as stacked ``[E, ...]`` weights (:cla
 optional shared experts every token runs. Dispatch is dropless: every token reaches its ``top_k``
 experts, whatever the load; tokens are sorted by expert and the experts run as one grouped GEMM
 (``torch._grouped_mm``) where the device and dtype support it (probed once), an exact per-expert
-loop elsewhere.
+loop elsewhere. The router is in ``moe_router.py``, the experts in ``moe_experts.py``.
 
 Load balancing, both optional and combinable:
 
@@ -28,18 +28,18 @@ synchronisation per step).
 from __future__ import annotations
 
 import dataclasses
-import functools
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchtitan.distributed.expert_parallel import run_experts, scale_grad
+from torchtitan.distributed.expert_parallel import run_experts
+from torchtitan.models.common.moe_experts import Experts, SharedExpert, grouped_mm_supported
+from torchtitan.models.common.moe_router import MoEArgs, Router
 
 __all__ = [
     "MoE",
@@ -50,164 +50,6 @@ __all__ = [
     "set_aux_loss_scale",
     "update_expert_bias",
 ]
-
-
-@dataclass(frozen=True)
-class MoEArgs:
-    """Shape and routing of one Mixture-of-Experts layer."""
-
-    num_experts: int = 8
-    top_k: int = 2
-    expert_dim: int = 128
-    """Hidden width of each routed SwiGLU expert (``moe_intermediate_size``)."""
-    num_shared_experts: int = 0
-    """Experts every token runs, un-gated, fused into one SwiGLU of ``num * expert_dim``."""
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    route_norm: bool = True
-    """Rescale a token's top-k weights to sum to 1 (Qwen3-MoE's ``norm_topk_prob``)."""
-    route_scale: float = 1.0
-    n_groups: int = 1
-    """Group-limited routing: experts split into ``n_groups`` groups, a token may use only the
-    ``topk_groups`` best groups (group score: the sum of its two best scores). 1: off."""
-    topk_groups: int = 1
-    aux_loss_coef: float = 0.0
-    bias_update_rate: float = 0.0
-    """Auxiliary-loss-free balancing step size; 0 disables the bias."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
-        if self.num_experts % self.n_groups != 0:
-            raise ValueError(f"num_experts={self.num_experts} not divisible by n_groups")
-        if self.n_groups > 1 and not (
-            1 <= self.topk_groups <= self.n_groups
-            and self.top_k <= self.topk_groups * self.num_experts // self.n_groups
-        ):
-            raise ValueError(f"topk_groups={self.topk_groups} cannot hold top_k={self.top_k}")
-
-    def num_params(self, dim: int, active: bool = False) -> int:
-        """Router + routed experts (all, or the ``top_k`` a token uses) + shared experts."""
-        routed = self.top_k if active else self.num_experts
-        swiglu = 3 * dim * self.expert_dim
-        return self.num_experts * dim + (routed + self.num_shared_experts) * swiglu
-
-
-class Router(nn.Module):
-    """Token -> (expert ids ``[T, k]``, weights ``[T, k]``, scores ``[T, E]``)."""
-
-    expert_bias: torch.Tensor
-
-    def __init__(self, dim: int, args: MoEArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
-        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        a = self.args
-        logits = F.linear(x, _local(self.gate.weight, 1.0)).float()
-        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
-        choose = scores.detach() + self.expert_bias if a.bias_update_rate > 0 else scores.detach()
-        if a.n_groups > 1:
-            choose = _limit_groups(choose, a.n_groups, a.topk_groups)
-        idx = choose.topk(a.top_k, dim=-1).indices
-        weights = scores.gather(-1, idx)
-        if a.route_norm:
-            weights = weights / (
-                weights.sum(-1, keepdim=True) + (a.score_func == "sigmoid") * 1e-20
-            )
-        return idx, weights * a.route_scale, scores
-
-
-def _limit_groups(scores: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
-    """``scores`` with every expert outside a token's ``topk_groups`` best groups set to -inf."""
-    t, e = scores.shape
-    grouped = scores.view(t, n_groups, e // n_groups)
-    group_score = grouped.topk(min(2, e // n_groups), dim=-1).values.sum(-1)  # [T, G]
-    keep = torch.zeros_like(group_score, dtype=torch.bool)
-    keep.scatter_(1, group_score.topk(topk_groups, dim=-1).indices, True)
-    return grouped.masked_fill(~keep[..., None], float("-inf")).view(t, e)
-
-
-@functools.cache
-def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs forward and backward here and matches a loop (probed
-    once per device type and dtype: support differs across torch versions and devices)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(24, 16, generator=gen).to(device_type, dtype).requires_grad_()
-        w = torch.randn(3, 16, 16, generator=gen).to(device_type, dtype).requires_grad_()
-        offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device_type)
-        y = torch._grouped_mm(x, w, offs=offs)
-        y.backward(torch.ones_like(y))
-        ref = torch.cat([x[:8] @ w[0], x[8:] @ w[2]])
-        return bool(torch.allclose(y, ref, rtol=1e-2, atol=1e-2)) and w.grad is not None
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool):
-    """Rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert ``e``) times ``w[e]``."""
-    if grouped:
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        return torch._grouped_mm(x, w, offs=offs)
-    parts = torch.split(x, counts.tolist())  # the fallback: one host sync per call
-    return torch.cat([p @ w[e] for e, p in enumerate(parts)])
-
-
-class Experts(nn.Module):
-    """``E`` SwiGLU experts as stacked weights: ``w1``/``w3`` ``[E, dim, hidden]``, ``w2``
-    ``[E, hidden, dim]`` (a token's row times the matrix, no transpose)."""
-
-    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.use_grouped_mm: bool | None = None
-        """None: decided by :func:`grouped_mm_supported`; True/False forces a path."""
-        self.grad_scale = 1.0
-        """Gradient factor of expert-parallel (DTensor) weights: 1 / ep."""
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # Under expert parallel the weights are DTensors: this rank's experts are its shard,
-        # and their gradients are scaled by 1 / ep (distributed/expert_parallel.py).
-        w1, w2, w3 = (_local(w, self.grad_scale) for w in (self.w1, self.w2, self.w3))
-        grouped = self.use_grouped_mm
-        if grouped is None:
-            grouped = grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, w1, w2)
-        h = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
-        return expert_matmul(h, w2, counts, grouped)
-
-
-def _local(w: torch.Tensor, grad_scale: float) -> torch.Tensor:
-    """A weight's local values: expert-parallel shards (gradient scaled by ``grad_scale``) and
-    tensor-parallel replicas (``distributed/replicate_parallel.py``) compute locally."""
-    if not isinstance(w, DTensor):
-        return w
-    local = w.to_local()
-    return local if grad_scale == 1.0 else scale_grad(local, grad_scale)
-
-
-def _aligned(x: torch.Tensor, *ws: torch.Tensor) -> bool:
-    """grouped_mm needs every row stride to be a multiple of 16 bytes."""
-    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in (x, *ws))
-
-
-class SharedExpert(nn.Module):
-    """The shared experts: one dense SwiGLU every token runs."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (_local(m.weight, 1.0) for m in (self.w1, self.w2, self.w3))
-        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 class MoE(nn.Module):
