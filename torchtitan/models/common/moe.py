@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -77,6 +78,14 @@ class MoE(nn.Module):
         """The last forward's auxiliary loss (detached), None when the coefficient is 0."""
         self.ep_mesh: DeviceMesh | None = None
         """Set by expert parallel (:meth:`enable_expert_parallel`)."""
+        self.cp_mesh: DeviceMesh | None = None
+        """Set by context parallel (:meth:`enable_context_parallel`)."""
+
+    def enable_context_parallel(self, mesh: DeviceMesh) -> None:
+        """Under context parallel this rank sees part of every sequence: the sequence-wise
+        auxiliary loss then takes each expert's share of the slots over the whole sequence
+        (summed over ``mesh``, docs/moe.md)."""
+        self.cp_mesh = mesh if mesh.size() > 1 else None
 
     def enable_expert_parallel(self, mesh: DeviceMesh) -> list[nn.Parameter]:
         """Shard the routed experts on dimension 0 over ``mesh`` (``distributed/
@@ -95,8 +104,13 @@ class MoE(nn.Module):
         bs, seqlen, dim = x.shape
         flat = x.reshape(-1, dim)
         idx, weights, scores = self.router(flat)
-        counts = torch.bincount(idx.flatten(), minlength=self.args.num_experts)
-        if self.training:
+        # Slots per expert (a fixed-size result, unlike bincount's, so compile needs no guard).
+        counts = idx.new_zeros(self.args.num_experts)
+        counts.scatter_add_(0, idx.flatten(), torch.ones_like(idx.flatten()))
+        # The device-side statistics count each forward once: not again when activation
+        # checkpointing recomputes this layer in the backward.
+        record = self.training and not _recomputing()
+        if record:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
                 self.load_since_log += counts.to(self.load_since_log.dtype)
@@ -107,7 +121,7 @@ class MoE(nn.Module):
         if self.args.aux_loss_coef > 0:
             aux = self._aux_loss(idx, scores, bs)
             self.aux_loss = aux.detach()
-            if self.training:
+            if record:
                 self.aux_since_log += torch.stack([self.aux_loss, torch.ones_like(self.aux_loss)])
             if torch.is_grad_enabled():
                 routed = _AttachAuxLoss.apply(routed, aux, self.aux_loss_scale)
@@ -133,6 +147,11 @@ class MoE(nn.Module):
         seq = scores.view(bs, -1, e)
         probs = seq / seq.sum(-1, keepdim=True) if self.args.score_func == "sigmoid" else seq
         load = F.one_hot(idx.view(bs, -1), e).float().mean(1)  # [B, E]: share of slots
+        if self.cp_mesh is not None:
+            # The share over the whole sequence (the cp ranks hold equal parts of it). ``probs``
+            # stays this rank's mean: the cp ranks' losses then average to the one-process
+            # loss, and so do their gradients (FSDP averages over dp_shard x cp).
+            load = funcol.all_reduce(load, "sum", self.cp_mesh) / self.cp_mesh.size()
         balance = e * (load * probs.mean(1)).sum(-1)  # [B], 1.0 when perfectly balanced
         return self.args.aux_loss_coef * balance.mean()
 
@@ -142,6 +161,14 @@ class MoE(nn.Module):
         rate = self.args.bias_update_rate
         bias = self.router.expert_bias
         bias += rate * torch.sign(counts.mean() - counts).to(bias.dtype)
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside the backward: non-reentrant activation checkpointing
+    recomputing the layer. (Compiled checkpointed regions replay no Python side effects.)"""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -75,7 +75,7 @@ def local_weight(w: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
     tensor-parallel replicas (``distributed/replicate_parallel.py``) compute locally."""
     if not isinstance(w, DTensor):
         return w
-    local = w.tolocal_weight()
+    local = w.to_local()
     return local if grad_scale == 1.0 else scale_grad(local, grad_scale)
 
 
