@@ -54,7 +54,16 @@ __all__ = [
 
 
 class MoE(nn.Module):
-    """``[B, S, dim] -> [B, S, dim]``: routed experts (+ shared experts), dropless."""
+    """``[B, S, dim] -> [B, S, dim]``: routed experts (+ shared experts), dropless.
+
+    Under torch.compile the routed experts run eagerly (one graph break) where they cannot be
+    traced: under expert parallel (the all-to-all split sizes are data on the device, read by
+    the host) and where compile has no grouped-GEMM kernel for the dtype (torch 2.13: fp32).
+    Everything else of the layer (router, auxiliary loss, sort, combine, shared expert) is
+    compiled; ``compile_graph_breaks`` tells ``apply_compile`` to allow the break.
+    """
+
+    compile_graph_breaks = True
 
     tokens_per_expert: torch.Tensor
     load_since_log: torch.Tensor
@@ -135,12 +144,20 @@ class MoE(nn.Module):
         k = idx.shape[1]
         order = idx.flatten().argsort(stable=True)
         token = order // k
-        if self.ep_mesh is None:
-            out = self.experts(x[token], counts)
+        rows = x[token]
+        if torch.compiler.is_compiling() and (
+            self.ep_mesh is not None or not self.experts.traceable(rows)
+        ):
+            out = _eager(self._run_experts, rows, counts)  # a graph break: see the class docstring
         else:
-            out = run_experts(x[token], counts, self.experts, self.ep_mesh)
+            out = self._run_experts(rows, counts)
         out = out * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, out)
+
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.ep_mesh is None:
+            return self.experts(rows, counts)
+        return run_experts(rows, counts, self.experts, self.ep_mesh)
 
     def _aux_loss(self, idx: torch.Tensor, scores: torch.Tensor, bs: int) -> torch.Tensor:
         e = self.args.num_experts
@@ -161,6 +178,12 @@ class MoE(nn.Module):
         rate = self.args.bias_update_rate
         bias = self.router.expert_bias
         bias += rate * torch.sign(counts.mean() - counts).to(bias.dtype)
+
+
+@torch.compiler.disable
+def _eager(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` run eagerly, outside any compiled graph."""
+    return fn(*args)
 
 
 def _recomputing() -> bool:

@@ -14,13 +14,25 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.expert_parallel import scale_grad
 
-__all__ = ["Experts", "SharedExpert", "expert_matmul", "grouped_mm_supported", "local_weight"]
+__all__ = [
+    "Experts",
+    "SharedExpert",
+    "expert_matmul",
+    "grouped_mm_supported",
+    "grouped_mm_traceable",
+    "local_weight",
+]
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # compile calls it once, eagerly, and keeps the answer
 def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward here and matches a loop (probed
     once per device type and dtype: support differs across torch versions and devices)."""
+    return _probe_grouped_mm(device_type, dtype)
+
+
+@functools.cache
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
@@ -32,6 +44,29 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
         y.backward(torch.ones_like(y))
         ref = torch.cat([x[:8] @ w[0], x[8:] @ w[2]])
         return bool(torch.allclose(y, ref, rtol=1e-2, atol=1e-2)) and w.grad is not None
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+@torch.compiler.assume_constant_result
+def grouped_mm_traceable(dtype: torch.dtype) -> bool:
+    """Whether torch.compile can trace ``torch._grouped_mm`` in ``dtype``: its meta kernel (the
+    shape function compile runs) accepts only bf16 on torch 2.13, although the CPU kernel runs
+    fp32 too."""
+    return _probe_meta(dtype)
+
+
+@functools.cache
+def _probe_meta(dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x, w = (
+            torch.empty(24, 16, device="meta", dtype=dtype),
+            torch.empty(3, 16, 16, device="meta", dtype=dtype),
+        )
+        torch._grouped_mm(x, w, offs=torch.empty(3, device="meta", dtype=torch.int32))
+        return True
     except (RuntimeError, NotImplementedError):
         return False
 
@@ -63,11 +98,19 @@ class Experts(nn.Module):
         # Under expert parallel the weights are DTensors: this rank's experts are its shard,
         # and their gradients are scaled by 1 / ep (distributed/expert_parallel.py).
         w1, w2, w3 = (local_weight(w, self.grad_scale) for w in (self.w1, self.w2, self.w3))
-        grouped = self.use_grouped_mm
-        if grouped is None:
-            grouped = grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, w1, w2)
+        grouped = self._grouped(x)
         h = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
         return expert_matmul(h, w2, counts, grouped)
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        if self.use_grouped_mm is not None:
+            return self.use_grouped_mm
+        return grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, self.w1, self.w2)
+
+    def traceable(self, x: torch.Tensor) -> bool:
+        """Whether torch.compile can trace :meth:`forward` on rows like ``x``: the grouped GEMM
+        (the loop needs the split sizes on the host) with a meta kernel for the dtype."""
+        return self._grouped(x) and grouped_mm_traceable(x.dtype)
 
 
 def local_weight(w: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
