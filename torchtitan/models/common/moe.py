@@ -64,6 +64,13 @@ class MoE(nn.Module):
     """
 
     compile_graph_breaks = True
+    float8_exempt = True
+    """Float8 training (``distributed/float8.py``) leaves the whole layer in high precision:
+    the router's scores pick the experts (a rounding flips top-k choices) and its GEMM is only
+    ``E`` wide; the routed experts are stacked weights run by the grouped GEMM, not
+    ``nn.Linear`` (a float8 grouped GEMM is CUDA-only in torchao and not wired here); the shared
+    expert applies its weights with ``F.linear`` on their local values (for tensor parallel's
+    ``ReplicateParallel``), which a ``Float8Linear`` swap would never reach."""
 
     tokens_per_expert: torch.Tensor
     load_since_log: torch.Tensor

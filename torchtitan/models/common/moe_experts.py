@@ -6,6 +6,7 @@ support it (probed once), an exact per-expert loop elsewhere; the shared experts
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,14 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
+    # In a thread of its own: the first call may come from inside an activation-checkpointed
+    # forward, whose saved-tensor hooks and dispatch modes (thread-local) must not see the
+    # probe's own forward and backward (its backward would trigger the recomputation).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_run_probe, device_type, dtype).result()
+
+
+def _run_probe(device_type: str, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
