@@ -34,7 +34,9 @@ def _run(overrides: list[str], world: int, dump: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_moe_compile_matches_eager(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+def test_moe_compile_matches_eager(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
     eager = losses(_reference(MOE, tmp_path_factory))
     got = _run([*COMPILE, "--training.local_batch_size", "8"], 1, tmp_path)
     worst = assert_losses_match(eager, got, rtol=1e-5, label="Qwen3-MoE compile, 1 rank")

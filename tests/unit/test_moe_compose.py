@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 import torch
+
 from torchtitan.distributed.activation_checkpoint import _wrap_block
 from torchtitan.distributed.compile import _may_break_graph
 from torchtitan.distributed.float8 import apply_float8, float8_unsupported_reason
