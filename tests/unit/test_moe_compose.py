@@ -97,3 +97,45 @@ def test_grouped_mm_probe_inside_a_checkpointed_forward() -> None:
     out, grads = _step(_wrap_block(layer, op_level=False), x)
     ref, ref_grads = _step(layer, x)
     assert torch.equal(out, ref) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+
+
+def test_hsdp_cp_ep_layout() -> None:
+    """8 ranks on the fake backend, dp_replicate 2 x dp_shard 2 x cp 2, ep 2: ep is the cp axis
+    (ranks 2r, 2r+1), the experts are FSDP-sharded over dp_shard (efsdp 2) and replicated across
+    dp_replicate; every other weight is HSDP over (dp_replicate, dp_shard_cp). Built in a forked
+    child (see tests/unit/test_qwen3_configs.py: test_ep2_fsdp2_layout)."""
+    from tests.launcher import run_ranks
+
+    assert run_ranks(_hsdp_cp_ep_layout, 1) == [([4, 5], [5, 7], 12)]
+
+
+def _hsdp_cp_ep_layout() -> tuple[list[int], list[int], int]:
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from tests.unit.test_big_configs import ROOT, _build_rank
+    from torchtitan.config import parse_args
+    from torchtitan.preflight.validate import validate_config
+
+    argv = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml")]
+    argv += ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+    argv += ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]
+    argv += ["--parallelism.data_parallel_replicate_degree", "2"]
+    argv += ["--parallelism.context_parallel_degree", "2"]
+    cfg = parse_args(argv)
+    validate_config(cfg, world_size=8)
+    dims, parts, _ = _build_rank(cfg, 8, rank=5)
+    assert dims.efsdp == 2
+    experts = 0
+    for raw, p in parts[0].named_parameters():
+        assert isinstance(p, DTensor)
+        names = p.device_mesh.mesh_dim_names
+        if ".experts.w" in raw:
+            experts += 1
+            assert names == ("ep_replicate", "efsdp", "ep"), (raw, names)
+            assert p.shape[0] == 8 and p.to_local().shape[0] == 2, (raw, p.to_local().shape)
+        else:
+            assert names == ("dp_replicate", "dp_shard_cp"), (raw, names)
+    groups = [dims.get_mesh(n).mesh.flatten().tolist() for n in ("ep", "efsdp")]
+    dist.destroy_process_group()
+    return groups[0], groups[1], experts
