@@ -1,4 +1,5 @@
-"""torch.compile per transformer block (fullgraph) and of the loss.
+"""torch.compile per transformer block (fullgraph, except blocks that declare graph breaks: the
+MoE layer's, docs/moe.md) and of the loss.
 
 Why per block and not the whole model: every block has the same code and shapes, so dynamo
 compiles one graph and reuses it for all blocks (compile time independent of depth), FSDP2's
