@@ -37,18 +37,24 @@ def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
     # In a thread of its own: the first call may come from inside an activation-checkpointed
     # forward, whose saved-tensor hooks and dispatch modes (thread-local) must not see the
     # probe's own forward and backward (its backward would trigger the recomputation).
+    # A new thread starts on accelerator 0: give it the caller's device (no context on GPU 0).
+    device = torch.device(device_type)
+    if device.type == getattr(torch.accelerator.current_accelerator(), "type", None):
+        device = torch.device(device.type, torch.accelerator.current_device_index())
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(_run_probe, device_type, dtype).result()
+        return pool.submit(_run_probe, device, dtype).result()
 
 
-def _run_probe(device_type: str, dtype: torch.dtype) -> bool:
+def _run_probe(device: torch.device, dtype: torch.dtype) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if device.index is not None:
+        torch.accelerator.set_device_index(device.index)
     try:
         gen = torch.Generator().manual_seed(0)
-        x = torch.randn(24, 16, generator=gen).to(device_type, dtype).requires_grad_()
-        w = torch.randn(3, 16, 16, generator=gen).to(device_type, dtype).requires_grad_()
-        offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device_type)
+        x = torch.randn(24, 16, generator=gen).to(device, dtype).requires_grad_()
+        w = torch.randn(3, 16, 16, generator=gen).to(device, dtype).requires_grad_()
+        offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device)
         y = torch._grouped_mm(x, w, offs=offs)
         y.backward(torch.ones_like(y))
         ref = torch.cat([x[:8] @ w[0], x[8:] @ w[2]])
