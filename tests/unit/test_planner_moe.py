@@ -41,8 +41,9 @@ def test_ep_choices_are_the_validators() -> None:
     cfg = parse_args(["--job.config_file", MOE_TOML, "--model.flavor", "debugmodel_moe"])
     assert ep_choices(cfg, 16, 1, 16, 1, 1, 1) == [1, 2, 4, 8]  # 8 experts
     assert ep_choices(cfg, 12, 1, 12, 1, 1, 1) == [1, 2, 4]
-    assert ep_choices(cfg, 32, 2, 16, 1, 1, 1) == [1]  # not with HSDP
-    assert ep_choices(cfg, 32, 1, 16, 2, 1, 1) == [1]  # not with CP
+    assert ep_choices(cfg, 32, 2, 16, 1, 1, 1) == [1, 2, 4, 8]  # with HSDP: within a replica
+    assert ep_choices(cfg, 2, 1, 1, 2, 1, 1) == [1, 2]  # EP borrows from dp_shard x cp
+    assert ep_choices(cfg, 12, 1, 3, 4, 1, 1) == [1, 2, 4]  # divides 3 x 4 and the 8 experts
     dense = parse_args(["--job.config_file", str(ROOT / "train_configs" / "qwen3_8b.toml")])
     assert ep_choices(dense, 16, 1, 16, 1, 1, 1) == [1]
 

@@ -1,9 +1,9 @@
 """Expert parallel in the planner (docs/planning.md, "MoE"): which ``expert_parallel_degree``
 values a layout may take, and the step-time terms MoE blocks add.
 
-* **Choices**: every divisor of ``dp_shard`` that ``preflight/validate_moe.py`` accepts for the
-  layout (it must divide ``dp_shard`` and the expert count; not with HSDP or CP): the planner
-  asks the validator itself, so the two cannot disagree. Dense models get ``ep = 1`` only.
+* **Choices**: every divisor of ``dp_shard x cp`` that ``preflight/validate_moe.py`` accepts for
+  the layout (it must divide ``dp_shard x cp`` and the expert count): the planner asks the
+  validator itself, so the two cannot disagree. Dense models get ``ep = 1`` only.
 * **Compute**: the model's ``flops_per_token`` already counts the active parameters (top-k
   routed + shared experts). Under TP an MoE block runs whole on every TP rank (the experts are
   replicated over TP, docs/moe.md), so its expert FLOPs are not divided by ``tp``:
@@ -12,8 +12,8 @@ values a layout may take, and the step-time terms MoE blocks add.
   backward, and again the forward pair for every recomputed block; each moves
   ``moe_memory.all_to_all_bytes`` (the function ``--job.explain`` prints), over the intra-node
   bandwidth when ``ep x cp x tp`` ranks fit in a node (``ep`` is the innermost part of
-  ``dp_shard``), the inter-node one otherwise. Not overlapped with compute.
-* **FSDP**: the experts are gathered (and their gradients reduced) over ``efsdp = dp_shard /
+  ``dp_shard x cp``), the inter-node one otherwise. Not overlapped with compute.
+* **FSDP**: the experts are gathered (and their gradients reduced) over ``efsdp = dp_shard x cp /
   ep`` ranks, ``E / ep`` of them per layer; the other weights over ``dp_shard x cp`` as before.
 """
 
@@ -80,7 +80,7 @@ def ep_choices(
     if moe_of(flavor) is None:
         return [1]
     out = [1]
-    for ep in divisors(dp_shard)[1:]:
+    for ep in divisors(dp_shard * cp)[1:]:  # EP borrows from dp_shard x cp
         trial = copy.copy(cfg)
         trial.parallelism = dataclasses.replace(
             cfg.parallelism,
