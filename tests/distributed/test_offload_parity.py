@@ -24,3 +24,13 @@ def test_offload_matches_fsdp(tmp_path: Path) -> None:
     got = train_metrics([*FSDP2, "--parallelism.fsdp_cpu_offload"], 2, tmp_path / "offload", STEPS)
     assert_losses_match(losses(ref), losses(got), rtol=1e-5, label="FSDP 2 + CPU offload")
     assert_grad_norms_match(ref, got, "FSDP 2 + CPU offload")
+
+
+def test_offload_on_one_device_matches_no_offload(tmp_path: Path) -> None:
+    """One process: FSDP2 on the 1-rank dp_shard mesh with CPUOffloadPolicy (what a single GPU
+    uses to offload) against the plain single-process run, 10 steps."""
+    one = ["--training.local_batch_size", "8"]
+    ref = train_metrics(one, 1, tmp_path / "plain", 10)
+    got = train_metrics([*one, "--parallelism.fsdp_cpu_offload"], 1, tmp_path / "offload", 10)
+    assert_losses_match(losses(ref), losses(got), rtol=1e-5, label="1 device + CPU offload")
+    assert_grad_norms_match(ref, got, "1 device + CPU offload")
