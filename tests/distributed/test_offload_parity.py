@@ -34,3 +34,21 @@ def test_offload_on_one_device_matches_no_offload(tmp_path: Path) -> None:
     got = train_metrics([*one, "--parallelism.fsdp_cpu_offload"], 1, tmp_path / "offload", 10)
     assert_losses_match(losses(ref), losses(got), rtol=1e-5, label="1 device + CPU offload")
     assert_grad_norms_match(ref, got, "1 device + CPU offload")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--parallelism.tensor_parallel_degree", "2"],
+        ["--parallelism.pipeline_parallel_degree", "2"],
+    ],
+    ids=["tp2", "pp2"],
+)
+def test_offload_with_dp_shard_1_composes(layout: list[str], tmp_path: Path) -> None:
+    """TP 2 or PP 2 on 2 ranks, data_parallel_shard_degree 1: FSDP on the 1-rank mesh under
+    offload, against the same layout without it (4 steps)."""
+    one = ["--training.local_batch_size", "8", *layout]
+    ref = train_metrics(one, 2, tmp_path / "plain", 4)
+    got = train_metrics([*one, "--parallelism.fsdp_cpu_offload"], 2, tmp_path / "offload", 4)
+    assert_losses_match(losses(ref), losses(got), rtol=1e-5, label=f"{layout} + CPU offload")

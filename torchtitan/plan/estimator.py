@@ -317,7 +317,8 @@ def loss_working_set(
     ``tokens`` local tokens and a ``vocab``-wide (local) vocabulary.
 
     Whole logits: forward saves the fp32 log-softmax (``tokens x vocab``) and backward adds two
-    fp32 gradients of that size (plus the low-precision logits gradient). Chunked
+    fp32 gradients of that size; the low-precision logits gradient comes after the log-softmax
+    and its incoming gradient are freed, so it is never live with them (measured). Chunked
     (``chunk`` > 0, docs/memory.md): nothing vocabulary-wide is saved; backward recomputes one
     chunk at a time (its ``C = min(chunk, tokens)`` rows), and the largest of two moments of a
     chunk's backward counts, measured with ``LiveTensorTracker`` (docs/planning.md):
@@ -332,7 +333,7 @@ def loss_working_set(
     slices accumulate into."""
     rows = tokens if chunk <= 0 else min(chunk, tokens)
     logits = rows * vocab * 4
-    ws = 2 * logits + (rows * vocab * act if act != 4 else 0)
+    ws = 2 * logits
     if chunk <= 0:
         return tokens * vocab * 4, ws
     multi = tokens > chunk
