@@ -1,6 +1,7 @@
 """FSDP2 CPU offload (docs/memory.md) trains like FSDP without it: 2 gloo ranks, 20 steps, fp32,
 per-step losses to 1e-5 and gradient norms to the parity tolerance, against the same 2-rank FSDP
-run without offload.
+run without offload; and on one process (FSDP on the 1-rank mesh, what a single GPU uses) and
+with TP 2 / PP 2 at data_parallel_shard_degree 1, each against the same layout without offload.
 
 On this CPU-only machine the device is the CPU, so FSDP2's host-device copies are CPU-to-CPU:
 the test exercises the offload code path (CPUOffloadPolicy sharded parameters, gradient
