@@ -35,7 +35,7 @@ from torchtitan.components import checkpoint_io as io
 from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS
-from torchtitan.models.llama3.kv_cache import KVCache
+from torchtitan.models.common.kv_cache import KVCache
 from torchtitan.models.llama3.state_dict_adapter import args_from_hf_config as llama3_args
 from torchtitan.models.qwen3.state_dict_adapter import args_from_hf_config as qwen3_args
 

@@ -4,6 +4,7 @@ them (docs/architecture.md, section 3). Each takes the config and what was built
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -16,10 +17,13 @@ from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.checkpoint_safety import resume_settings
 from torchtitan.components.data_builder import DataOptions, build_data_loader
 from torchtitan.components.dataloader import ParallelAwareDataloader
+from torchtitan.components.loss import cross_entropy_sum
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.metrics_writers import MetricWriter, build_writers
 from torchtitan.components.tokenizer import AnyTokenizer
+from torchtitan.components.validation_loss import Validator
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.compile import compile_loss, set_compile_cache_dir
 from torchtitan.distributed.float8 import apply_float8
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
@@ -32,6 +36,8 @@ from torchtitan.tools.memory_monitor import MemoryMonitor
 from torchtitan.tools.peak_flops import datasheet_peak_flops, measure_matmul_peak_flops
 from torchtitan.tools.profiling import Profiling
 from torchtitan.tools.stragglers import StragglerFlag
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build_rank_dataloader(
@@ -248,4 +254,53 @@ def build_checkpointer(
         last_save_model_only=ck.last_save_model_only,
         export_dtype=getattr(torch, ck.export_dtype),
         resume_settings=resume_settings(cfg),
+    )
+
+
+def build_loss_fn(cfg: JobConfig, dims: ParallelDims) -> LossFn:
+    """Summed token cross-entropy, compiled (lazily, at its first call) when compile lists the
+    loss; the step's ``loss_scale`` makes it the global-batch mean (docs/sft.md)."""
+    if not cfg.compile.enable:
+        return cross_entropy_sum
+    # Ranks at different TP/CP coordinates compile different graphs: separate caches.
+    coords = dims.coordinates()
+    cache = set_compile_cache_dir(
+        cfg.compile.cache_dir,
+        base_folder=cfg.job.dump_folder,
+        rank_subdir=f"tp{coords['tp']}_cp{coords['cp']}"
+        if dims.tp_enabled or dims.cp_enabled
+        else None,
+    )
+    logger.info(f"compile cache: {cache}")
+    if "loss" in cfg.compile.components:
+        return compile_loss(cross_entropy_sum, backend=cfg.compile.backend)
+    return cross_entropy_sum
+
+
+def build_validator(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    tokenizer: AnyTokenizer,
+    model_parts: list[nn.Module],
+    device: torch.device,
+    writers: list[MetricWriter],
+    loss_fn: Callable[..., tuple[torch.Tensor, int] | None],
+) -> Validator:
+    """The validation-loss runner over ``validation.dataset`` (docs/observability.md)."""
+    v = cfg.validation
+    loader = build_rank_dataloader(
+        cfg, dims, tokenizer, v.dataset, v.dataset_path, "validation", False
+    )
+    return Validator(
+        dataloader=loader,
+        freq=v.freq,
+        steps=v.steps,
+        loss_fn=loss_fn,
+        batch_size=cfg.training.local_batch_size,
+        model_parts=model_parts,
+        device=device,
+        writers=writers,
+        dp_mesh=dims.get_mesh("dp"),
+        loss_mesh=dims.get_mesh("dp_cp"),
+        pp_mesh=dims.get_mesh("pp") if dims.pp_enabled else None,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from tests.launcher import run_ranks
@@ -69,6 +70,12 @@ def _norms() -> dict[str, float]:
     sharded = params[1].grad.full_tensor()  # type: ignore[union-attr]
     out["clip_ratio"] = (sharded.norm() / full["sharded"].norm()).item()
     out["clip_ratio_plain"] = (params[0].grad.norm() / full["plain"].norm()).item()  # type: ignore[union-attr]
+    # The partial gradient (a sequence-parallel norm weight's) is summed, then halved too (torch
+    # 2.11 scaled it wrongly in place while it was still partial).
+    partial = params[3].grad.full_tensor()  # type: ignore[union-attr]
+    out["clip_ratio_partial"] = (
+        partial.norm() / (partial_locals[0] + partial_locals[1]).norm()
+    ).item()
 
     # Pipeline stages: each rank holds different parameters; the norm covers both.
     stage = torch.full((4,), float(rank + 1))  # rank 0: 1s, rank 1: 2s
@@ -78,6 +85,7 @@ def _norms() -> dict[str, float]:
     return out
 
 
+@pytest.mark.smoke
 def test_total_norm_and_clipping_across_meshes_and_stages() -> None:
     results = run_ranks(_norms, 2)
     for rank, r in enumerate(results):
@@ -85,5 +93,6 @@ def test_total_norm_and_clipping_across_meshes_and_stages() -> None:
         assert math.isclose(r["got_inf"], r["want_inf"], rel_tol=1e-6), (rank, r)
         assert math.isclose(r["clip_ratio"], 0.5, rel_tol=1e-4), (rank, r)
         assert math.isclose(r["clip_ratio_plain"], 0.5, rel_tol=1e-4), (rank, r)
+        assert math.isclose(r["clip_ratio_partial"], 0.5, rel_tol=1e-4), (rank, r)
         assert math.isclose(r["pp"], r["pp_want"], rel_tol=1e-6), (rank, r)
         assert r["pp_inf"] == 2.0, (rank, r)

@@ -15,7 +15,6 @@ import pytest
 import tests.toy_model  # noqa: F401  (registers "toy" before the ranks fork)
 from tests.distributed.parity_cases import LOSS_RTOL, assert_grad_norms_match
 from tests.parity import assert_losses_match, losses, train_metrics
-from torchtitan.tools import torch_compat
 
 STEPS = 12
 TOY = ["--model.name", "toy", "--model.flavor", "tiny", "--optimizer.lr", "3e-3"]
@@ -35,20 +34,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     "overrides",
     [
         ["--training.local_batch_size", "4"],
-        pytest.param(
-            [
-                "--training.local_batch_size", "8",
-                "--parallelism.data_parallel_shard_degree", "1",
-                "--parallelism.tensor_parallel_degree", "2",
-            ],
-            marks=pytest.mark.xfail(
-                torch_compat.TORCH_VERSION < (2, 13),
-                reason="torch 2.11: this model's TP 2 run drifts from one process from step 3 "
-                "(grad norms 1e-3 apart by step 9 at lr 3e-3; Llama's TP cases match); "
-                "not yet explained",
-                strict=False,
-            ),
-        ),
+        [
+            "--training.local_batch_size", "8",
+            "--parallelism.data_parallel_shard_degree", "1",
+            "--parallelism.tensor_parallel_degree", "2",
+        ],
         [
             "--training.local_batch_size", "8",
             "--parallelism.data_parallel_shard_degree", "1",

@@ -91,7 +91,7 @@ def test_greedy_deterministic_and_kv_cache_exact(checkpoint: Path) -> None:
     assert torch.equal(a, recomputed), "KV-cache generation differs from recomputation"
 
     # The logits themselves: prefill + one-token decodes through the cache vs one full forward.
-    from torchtitan.models.llama3.kv_cache import KVCache
+    from torchtitan.models.common.kv_cache import KVCache
 
     with torch.no_grad():
         full = model(a)

@@ -31,6 +31,7 @@ TOP = {
     "torchtitan.train",
     "torchtitan.trainer",
     "torchtitan.builders",
+    "torchtitan.train_step",
     "torchtitan.log_ranks",
     "torchtitan.launch",
 }

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from torchtitan.distributed.init_weights import init_params_deterministic
 from torchtitan.models.common.attention import AttentionCore
+from torchtitan.models.common.rope import precompute_freqs_cis
 from torchtitan.models.llama3 import LLAMA3_FLAVORS, ModelArgs, Transformer
-from torchtitan.models.llama3.model import precompute_freqs_cis
 
 # Published parameter counts (Llama 3.2 1B, Llama 3.1 8B / 70B / 405B).
 PUBLISHED_PARAMS = {"1B": 1.236e9, "8B": 8.03e9, "70B": 70.55e9, "405B": 405.85e9}

@@ -26,9 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 128256
 
 
-def _plan(name: str, world_size: int, memory_gib: float = 80) -> list[PlanResult]:
+def _plan(
+    name: str, world_size: int, memory_gib: float = 80, vocab: int = VOCAB
+) -> list[PlanResult]:
     cfg = parse_args(["--job.config_file", str(ROOT / "train_configs" / name)])
-    args = model_args_for(cfg, vocab_size=VOCAB)
+    args = model_args_for(cfg, vocab_size=vocab)
     results, n_layouts, too_big = plan(cfg, args, world_size, Hardware(memory_gib=memory_gib))
     print(f"{name} on {world_size}: {n_layouts} layouts, {too_big} too big, {len(results)} fit")
     for i, r in enumerate(results[:5], start=1):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from torchtitan.tools.logging import logger
 
@@ -164,6 +164,21 @@ def total_grad_norm(
 
 
 @torch.no_grad()
+def reduce_partial_grads(parameters: Iterable[nn.Parameter]) -> None:
+    """Sum the DTensor gradients still pending a reduction (``Partial``: a sequence-parallel
+    norm weight's, whose parameter is replicated over ``tp``) into plain replicated ones, in
+    place of ``p.grad``. The optimizer would reduce them inside its first op on them at every
+    step anyway; reducing once, before the norm and the clip, also keeps the clip correct on
+    torch 2.11, whose in-place multiply of a ``Partial`` DTensor by the clip coefficient leaves
+    wrong values (docs/architecture.md, section 10)."""
+    for p in parameters:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+            p.grad = g.redistribute(g.device_mesh, placements)
+
+
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[nn.Parameter],
     max_norm: float,
@@ -179,6 +194,7 @@ def clip_grad_norm_(
     ``max_norm <= 0`` only measures. Returns the total norm as a plain 0-dim tensor.
     """
     params = [p for p in parameters if p.grad is not None]
+    reduce_partial_grads(params)
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         total = total_grad_norm(grads, norm_type, foreach)
@@ -205,8 +221,10 @@ def clip_grads_with_norm_(
 ) -> None:
     """Scale gradients by ``max_norm / total_norm`` when that is below 1 (torch's function of the
     same name, applied per mesh group: foreach kernels refuse a mix of Tensor and DTensor)."""
+    params = [p for p in parameters if p.grad is not None]
+    reduce_partial_grads(params)
     by_mesh: dict[DeviceMesh | None, list[nn.Parameter]] = {}
-    for p in parameters:
+    for p in params:
         if p.grad is not None:
             by_mesh.setdefault(_mesh_of(p.grad), []).append(p)
     for group in by_mesh.values():

@@ -2,7 +2,7 @@
 
 Enumerates parallel layouts for the config's model and global batch on ``N`` devices, drops
 those whose memory estimate does not fit, and prints the fastest (see
-``torchtitan/plan/planner.py`` for the cost model) with the override line that runs each.
+``torchtitan/plan/cost_model.py`` for the cost model) with the override line that runs each.
 
 Planner options (everything else is a config override, as for ``torchtitan.train``):
   --world_size N            devices in the job (required)

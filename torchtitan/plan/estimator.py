@@ -46,6 +46,7 @@ from torchtitan.distributed.pipeline_plan import SCHEDULES, PipelinePlan
 from torchtitan.distributed.utils import resolve_dtype
 from torchtitan.models import MODELS, runtime_args
 from torchtitan.models.spec import DecoderShape as ModelArgs
+from torchtitan.plan import moe_memory as moe_terms
 from torchtitan.preflight.validate import pipeline_plan
 
 GIB = 1024**3
@@ -192,6 +193,18 @@ def block_activation_bytes(
     ffn = 4 * hid / tp
     fp32_stats = 2 / (tp if tp > 1 else 1) + heads / tp
     return int(tokens * ((norms + attention + ffn) * act_bytes + fp32_stats * 4))
+
+
+def _layer_activations(
+    a: ModelArgs, layer: int, tokens: int, act_bytes: int, dims: ParallelDims, mode: str
+) -> int:
+    """Saved bytes of block ``layer``: the dense formula, plus QK-norm's tensors and an MoE
+    feed-forward in place of the SwiGLU where the model has them (``moe_memory.py``)."""
+    return (
+        block_activation_bytes(a, tokens, act_bytes, dims.tp, dims.cp, mode)
+        + moe_terms.qk_norm_activation_bytes(a, tokens, act_bytes, dims.tp, mode)
+        + moe_terms.moe_activation_delta(a, layer, tokens, act_bytes, dims.tp, mode, dims.ep)
+    )
 
 
 def block_backward_bytes(a: ModelArgs, tokens: int, act_bytes: int, tp: int) -> int:
@@ -379,7 +392,14 @@ def _estimate_rank(
     def stored(shape_list: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> int:
         return sum(_shard_elems(s, n_shard) if fsdp else s[0] * s[1] for s in shape_list)
 
-    param_elems = stored(root_shapes) + len(layers) * stored(shapes.block)
+    # Per block (MoE blocks: router, experts per expert parallel, shared experts; moe_memory.py)
+    sizes = {
+        i: moe_terms.block_sizes(
+            a, shapes.block, shapes.block_linear, i, stored, dims.ep, n_shard, fsdp
+        )
+        for i in layers
+    }
+    param_elems = stored(root_shapes) + sum(b.stored for b in sizes.values())
     parameters = param_elems * mw
     moments = param_elems * optimizer_state_bytes_per_param(cfg.optimizer.moments_dtype)
     optimizer_states = moments if steady_state else 0
@@ -391,8 +411,9 @@ def _estimate_rank(
 
     # Parameters in their compute form while forward/backward runs.
     f8 = cfg.quantize.dense.float8
-    block_full = _full(shapes.block)
-    linear_full = _full(tuple(s for s, lin in zip(shapes.block, shapes.block_linear) if lin))
+    big = max(sizes.values(), key=lambda b: b.gathered) if sizes else None
+    block_full = big.gathered if big else 0  # the largest block (MoE blocks differ)
+    linear_full = big.linear_gathered if big else 0
     unsharded_block = block_full * act
     if f8.enable and f8.enable_fsdp_float8_all_gather and fsdp:
         unsharded_block = linear_full * 1 + (block_full - linear_full) * act
@@ -421,8 +442,8 @@ def _estimate_rank(
         parse_selective_option(ac.selective_ac_option) if ac.mode == "selective" else 0
     )
     modes = {i: _checkpointed(i, ac.mode, option) for i in layers}
-    per_block = {i: block_activation_bytes(a, mb_tokens, act, tp, cp, modes[i]) for i in layers}
-    full_block = block_activation_bytes(a, mb_tokens, act, tp, cp, "none")
+    per_block = {i: _layer_activations(a, i, mb_tokens, act, dims, modes[i]) for i in layers}
+    full_block = {i: _layer_activations(a, i, mb_tokens, act, dims, "none") for i in layers}
     vocab_local = a.vocab_size // tp
     head_saved = 0
     if has_head:
@@ -454,7 +475,9 @@ def _estimate_rank(
     steady = plan is not None and n_mb * stages > in_flight
     reduce_bytes = resolve_dtype(t.mixed_precision_reduce, device_type).itemsize if act != 4 else 4
     pp_fsdp = plan is not None and fsdp
-    unsharded_grads = (_full(tuple(root_shapes)) + len(layers) * block_full) * reduce_bytes
+    unsharded_grads = (
+        _full(tuple(root_shapes)) + sum(b.gathered for b in sizes.values())
+    ) * reduce_bytes
     device_grads = 0 if offload else grads_all  # offloaded gradient shards go to the host
     carried_grads = device_grads if accum > 1 else 0
     if steady:
@@ -493,17 +516,26 @@ def _estimate_rank(
     below = activations_all - (per_mb - emb_saved) // max(stages, 1) if plan else emb_saved
     below_blocks = sorted(layers)
     root_grad = 0 if pp_fsdp and steady else out_grad  # else already in the carried gradients
+
+    def own_grads(gathered: int, stored: int) -> int:
+        """A block's own gradients: unsharded in the compute dtype before FSDP's
+        reduce-scatter, else straight into .grad."""
+        if pp_fsdp:
+            return 0 if steady else gathered * reduce_bytes
+        return gathered * act if (fsdp or act != mw) else stored * mw
+
     for idx in range(len(below_blocks) - 1, -1, -1):
         i = below_blocks[idx]
         lower = sum(per_block[j] for j in below_blocks[:idx])
-        recompute = full_block if modes[i] != "none" else per_block[i]
-        # The block's own gradients: unsharded in the compute dtype before FSDP's
-        # reduce-scatter, else straight into .grad as each op's backward runs, so at the
-        # block's peak (the SwiGLU backward) only the down projection's (measured, planning.md).
-        own = block_full * act if (fsdp or act != mw) else _full(shapes.block[5:6]) * mw
-        if pp_fsdp:
-            own = 0 if steady else block_full * reduce_bytes
+        recompute = full_block[i] if modes[i] != "none" else per_block[i]
+        own = own_grads(sizes[i].gathered, sizes[i].stored)
+        if not (fsdp or act != mw):
+            # Without FSDP each weight gradient lands in .grad as its op's backward runs: at the
+            # block's peak (the SwiGLU backward) only the down projection's exists (planning.md).
+            own = min(own, _full(shapes.block[5:6]) * mw)
         ws = block_backward_bytes(a, mb_tokens, act, tp) + own
+        experts = own_grads(sizes[i].experts_gathered, sizes[i].experts_stored)
+        ws += moe_terms.moe_backward_delta(a, i, mb_tokens, act, tp, experts)
         grads = max(carried_grads, done_grads) + root_grad
         live = below + lower + recompute
         unsharded = (
@@ -522,9 +554,9 @@ def _estimate_rank(
             )
         )
         if pp_fsdp:
-            done_grads += block_full * reduce_bytes
+            done_grads += sizes[i].gathered * reduce_bytes
         elif not offload:
-            done_grads += stored(shapes.block) * mw
+            done_grads += sizes[i].stored * mw
     # --- the embedding's backward: its whole gradient (its vocabulary rows under TP) is made
     # next to every gradient accumulated so far.
     if has_embedding:

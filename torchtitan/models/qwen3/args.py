@@ -13,6 +13,7 @@ The counts are closed-form, so they can be asked of the 235B flavor without buil
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torchtitan.models.common.moe import MoEArgs
 
@@ -59,6 +60,10 @@ class Qwen3Args:
 
     moe: MoEArgs | None = None
     """The Mixture-of-Experts layer of the sparse blocks; ``None``: a dense model."""
+
+    qk_norm: ClassVar[bool] = True
+    """Queries and keys are RMS-normalized per head (the memory estimator counts their saved
+    tensors, ``plan/moe_memory.py``)."""
 
     moe_layers: tuple[int, ...] | None = None
     """Block ids whose feed-forward is the MoE layer; ``None``: every block (when ``moe`` is

@@ -1,0 +1,84 @@
+"""Rotary position embeddings shared by the decoder families (docs/extending.md): the table,
+the rotation of query/key channel pairs, and the grouped-query repeat of key/value heads."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _scale_rope_freqs(
+    freqs: torch.Tensor,
+    scaling_factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_seq_len: int,
+) -> torch.Tensor:
+    """Llama 3.1 long-context frequency scaling.
+
+    Short wavelengths (high frequencies) are kept, long ones are divided by ``scaling_factor``,
+    and the band in between blends the two linearly in ``original_max_seq_len / wavelength``.
+    """
+    wavelen = 2 * math.pi / freqs
+    low_freq_wavelen = original_max_seq_len / low_freq_factor
+    high_freq_wavelen = original_max_seq_len / high_freq_factor
+    smooth = (original_max_seq_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    blended = (1 - smooth) * freqs / scaling_factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / scaling_factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+def precompute_freqs_cis(
+    head_dim: int,
+    end: int,
+    theta: float = 500000.0,
+    scaling_factor: float | None = None,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_seq_len: int = 8192,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Rotary embedding table: ``complex64 [end, head_dim // 2]``, entry ``[p, i]`` is
+    ``exp(1j * p * theta ** (-2i / head_dim))`` (with Llama 3.1 scaling when a factor is set)."""
+    exponents = torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim
+    freqs = 1.0 / (theta**exponents)
+    if scaling_factor is not None:
+        freqs = _scale_rope_freqs(
+            freqs, scaling_factor, low_freq_factor, high_freq_factor, original_max_seq_len
+        )
+    positions = torch.arange(end, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``xq`` / ``xk`` (``[B, S, H, Dh]``) by ``freqs_cis`` (``[S, Dh/2]`` or ``[B, S, Dh/2]``).
+
+    Consecutive pairs of channels are treated as one complex number.
+    """
+    if freqs_cis.dim() == 2:  # [S, Dh/2] -> [1, S, 1, Dh/2]
+        freqs = freqs_cis[None, :, None, :]
+    else:  # [B, S, Dh/2] -> [B, S, 1, Dh/2]
+        freqs = freqs_cis[:, :, None, :]
+    q = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    k = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    q_out = torch.view_as_real(q * freqs).flatten(3)
+    k_out = torch.view_as_real(k * freqs).flatten(3)
+    return q_out.type_as(xq), k_out.type_as(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """``[B, S, Hkv, Dh] -> [B, S, Hkv * n_rep, Dh]``, each kv head repeated ``n_rep`` times."""
+    if n_rep == 1:
+        return x
+    bs, seqlen, n_kv, head_dim = x.shape
+    return (
+        x[:, :, :, None, :]
+        .expand(bs, seqlen, n_kv, n_rep, head_dim)
+        .reshape(bs, seqlen, n_kv * n_rep, head_dim)
+    )

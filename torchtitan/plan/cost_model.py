@@ -1,0 +1,200 @@
+"""Step time of a layout, per device (docs/planning.md, "Parallelism planner")::
+
+    compute   = FLOPs of the device's tokens (plus activation recompute) / (peak * mfu)
+    bubble    = compute * (pp - 1) / (stages per rank * microbatches)     (pipeline idle time)
+    tp, cp    = activation all-gathers / reduce-scatters, not overlapped (intra- or inter-node)
+    fsdp      = parameter all-gathers and gradient reduce-scatters; hidden behind up to
+                ``fsdp_overlap`` of the compute, the rest exposed
+    pp_p2p    = stage-boundary activations and gradients
+    all_to_all, moe_tp = expert parallel's token exchange and TP-replicated expert compute
+                (MoE models, ``plan/moe_plan.py``)
+    step      = compute + bubble + tp + cp + exposed fsdp + pp_p2p + all_to_all + moe_tp
+
+A collective moving ``S`` bytes over ``n`` ranks costs ``S * (n - 1) / n / bandwidth`` plus
+``(n - 1) * latency``; the bandwidth is the intra-node one when the group fits in a node (the
+mesh is ordered pp, dp_replicate, dp_shard, cp, tp from outermost to innermost, so tp is
+placed first inside a node, then cp, then dp_shard), the inter-node one otherwise.
+"""
+
+from __future__ import annotations
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.models import MODELS
+from torchtitan.models.spec import DecoderShape as ModelArgs
+from torchtitan.plan.estimator import block_params, param_dtype_bytes
+from torchtitan.plan.layout import Hardware, Layout
+from torchtitan.plan.levers import chunked_loss_seconds, offload_seconds
+from torchtitan.plan.moe_plan import (
+    active_block_params,
+    expert_params,
+    moe_op_recompute_fraction,
+    moe_step_terms,
+)
+from torchtitan.preflight.validate import pipeline_plan
+
+__all__ = ["step_time"]
+
+
+def _collective_s(nbytes: float, n: int, hw: Hardware, spans_nodes: bool) -> float:
+    if n <= 1:
+        return 0.0
+    bw = (hw.inter_node_gbps if spans_nodes else hw.intra_node_gbps) * 1e9
+    latency = (hw.inter_latency_us if spans_nodes else hw.intra_latency_us) * 1e-6
+    return nbytes * (n - 1) / n / bw + (n - 1) * latency
+
+
+def _gemm_efficiency(width: float, hw: Hardware) -> float:
+    """Relative matmul efficiency of a sharded width: ``width / (width + gemm_half_width)``."""
+    return width / (width + hw.gemm_half_width)
+
+
+def _recompute_fraction(a: ModelArgs, ac_mode: str, ac_option: str) -> float:
+    """Extra block forward FLOPs, as a fraction of one block forward."""
+    if ac_mode == "full":
+        return 1.0
+    if ac_mode == "selective" and ac_option == "op":
+        moe = moe_op_recompute_fraction(a)
+        if moe is not None:
+            return moe
+        # wk, wo and w3 (every second matmul) are recomputed.
+        d, kv = a.dim, a.kv_heads * a.head_dim
+        recomputed = d * kv + d * d + d * a.hidden_dim
+        return recomputed / (2 * d * d + 2 * d * kv + 3 * d * a.hidden_dim)
+    if ac_mode == "selective":
+        return 1.0 / int(ac_option)
+    return 0.0
+
+
+def step_time(
+    cfg: JobConfig, a: ModelArgs, layout: Layout, hw: Hardware, world_size: int
+) -> tuple[float, dict[str, float]]:
+    seq = cfg.training.seq_len
+    act = param_dtype_bytes(cfg, "cuda")
+    g = hw.gpus_per_node
+    tokens_device = layout.global_batch_size * seq / world_size
+    all_blocks = a.n_layers * active_block_params(a, block_params(a))
+    block_flops_fwd_token = 2 * all_blocks + 4 * a.n_layers * a.n_heads * a.head_dim * seq
+    peak = hw.peak_tflops * 1e12 * hw.mfu
+    compute = tokens_device * MODELS[cfg.model.name].flops_per_token(a, seq) / peak
+    recompute = (
+        tokens_device
+        * block_flops_fwd_token
+        * _recompute_fraction(a, layout.ac_mode, layout.ac_option)
+        / peak
+    )
+    # TP narrows every block matmul; narrow GEMMs run further from the peak.
+    narrow = min(a.dim, a.hidden_dim)
+    tp_eff = _gemm_efficiency(narrow / layout.tp, hw) / _gemm_efficiency(narrow, hw)
+    tp_gemm = (compute + recompute) * (1 / tp_eff - 1)
+    passes = 2 + _recompute_fraction(a, layout.ac_mode, layout.ac_option)  # fwd, bwd, recompute
+    layers_here = a.n_layers / layout.pp
+    dp = layout.dp_replicate * layout.dp_shard
+    tokens_group = layout.global_batch_size * seq / dp / layout.cp  # one TP group's tokens
+    # TP: per layer and pass, two all-gathers and two reduce-scatters of [tokens, d].
+    tp_spans = layout.tp > g
+    tp = (
+        layers_here
+        * passes
+        * 4
+        * _collective_s(tokens_group * a.dim * act, layout.tp, hw, tp_spans)
+        if layout.tp > 1
+        else 0.0
+    )
+    # CP: per layer and pass, all-gather K and V of the full sequence (backward: reduce-scatter).
+    kv_width = a.kv_heads * a.head_dim
+    cp_spans = layout.tp * layout.cp > g
+    cp = (
+        layers_here
+        * passes
+        * _collective_s(
+            2 * tokens_group * layout.cp * kv_width / layout.tp * act, layout.cp, hw, cp_spans
+        )
+        if layout.cp > 1
+        else 0.0
+    )
+    # FSDP / HSDP / DDP: this rank's parameters (after TP and PP); routed experts apart (replicated
+    # over TP, E / ep of them gathered over efsdp = dp_shard / ep, plan/moe_plan.py).
+    experts = expert_params(a)
+    params_rank = (MODELS[cfg.model.name].num_params(a) - experts) / layout.tp / layout.pp
+    experts_rank = experts / layout.pp / layout.ep
+    efsdp = layout.dp_shard * layout.cp // layout.ep
+    n_shard = layout.dp_shard * layout.cp
+    shard_spans = layout.tp * n_shard > g
+    grad_bytes = 4 if cfg.training.mixed_precision_reduce == "float32" else 2
+    if layout.pp > 1:
+        gathers, reduces = 1, 1  # gathered once per step, gradients reduced at its end
+    else:
+        gathers, reduces = 2 * layout.accumulation, layout.accumulation
+    gather_s = reduce_s = 0.0
+    if n_shard > 1:
+        gather_s = gathers * _collective_s(params_rank * act, n_shard, hw, shard_spans)
+        reduce_s = reduces * _collective_s(params_rank * grad_bytes, n_shard, hw, shard_spans)
+    if experts and efsdp > 1:
+        gather_s += gathers * _collective_s(experts_rank * act, efsdp, hw, shard_spans)
+        reduce_s += reduces * _collective_s(experts_rank * grad_bytes, efsdp, hw, shard_spans)
+    if layout.dp_replicate > 1:  # all-reduce of the gradient shards across replicas
+        reduce_s += 2 * _collective_s(
+            (params_rank / n_shard + experts_rank / efsdp) * grad_bytes,
+            layout.dp_replicate,
+            hw,
+            True,
+        )
+    fsdp_total = gather_s + reduce_s
+    work = compute + recompute + tp_gemm
+    fsdp = max(0.0, fsdp_total - hw.fsdp_overlap * work)
+    bubble = 0.0
+    pp_p2p = 0.0
+    if layout.pp > 1:
+        mb = layout.microbatches
+        plan = pipeline_plan(layout.apply(cfg))
+        assert plan is not None
+        v = plan.stages_per_rank
+        # The pipeline runs at the pace of its busiest rank; the head (output projection and
+        # loss, the last unit) costs about vocab * dim / block params blocks of work.
+        head = a.vocab_size * a.dim / active_block_params(a, block_params(a))
+        model_plan = MODELS[cfg.model.name].parallel_plan(a)
+        head_unit = model_plan.unit_names[-1]
+        load = [
+            sum(
+                1.0 if u.startswith(f"{model_plan.blocks}.") else (head if u == head_unit else 0.0)
+                for sid in plan.stage_ids(r)
+                for u in plan.stage_units[sid]
+            )
+            for r in range(layout.pp)
+        ]
+        imbalance = max(load) / (sum(load) / layout.pp)
+        work *= imbalance
+        bubble = work * (layout.pp - 1) / (v * mb)
+        # torch's schedules reduce FSDP gradients once, after the last microbatch's backward
+        # (REDUCE_GRAD): nothing is left to hide behind. The gathers overlap the first
+        # microbatch's forward and the pipeline fill.
+        fsdp = reduce_s + max(0.0, gather_s - hw.fsdp_overlap * (work / mb + bubble))
+        boundary = tokens_group / mb * a.dim / layout.tp * act
+        pp_p2p = 2 * mb * v * boundary / (hw.inter_node_gbps * 1e9)
+    terms = {
+        "compute": compute,
+        "recompute": recompute,
+        "bubble": bubble,
+        "tp": tp,
+        "cp": cp,
+        "fsdp": fsdp,
+        "fsdp_total": fsdp_total,
+        "pp_p2p": pp_p2p,
+        "tp_gemm": tp_gemm,
+    }
+    terms["imbalance"] = work - compute - recompute - tp_gemm
+    terms["chunked_loss"] = terms["offload_copies"] = terms["offload_optimizer"] = 0.0
+    if "chunked_loss" in layout.levers:
+        vocab_local = a.vocab_size / layout.tp
+        terms["chunked_loss"] = chunked_loss_seconds(tokens_device, a.dim, vocab_local, peak)
+    if "cpu_offload" in layout.levers:
+        moments = 4 if "bf16_moments" in layout.levers else 8
+        copies, optimizer = offload_seconds(
+            params_rank / n_shard, gathers, moments, hw.host_device_gbps, hw.host_memory_gbps
+        )
+        terms["offload_copies"], terms["offload_optimizer"] = copies, optimizer
+    frac = _recompute_fraction(a, layout.ac_mode, layout.ac_option)
+    terms.update(moe_step_terms(a, layout, hw, seq, act, peak, frac))
+    total = work + bubble + tp + cp + fsdp + pp_p2p + terms["all_to_all"] + terms["moe_tp"]
+    total += terms["chunked_loss"] + terms["offload_copies"] + terms["offload_optimizer"]
+    return total, terms
