@@ -34,6 +34,28 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     ),
     "EP 4": (4, ["--parallelism.expert_parallel_degree", "4", "--training.local_batch_size", "2"]),
     "EP 1 (FSDP 2)": (2, ["--training.local_batch_size", "4"]),
+    "HSDP 2 x EP 2": (
+        4,
+        [
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+        ],
+    ),
+    "EP 2 x CP 2": (
+        4,
+        [
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "4",
+        ],
+    ),
 }
 
 
@@ -75,7 +97,7 @@ def test_ep2_fsdp2_bitwise_resume(straight: tuple[list[dict], Path], tmp_path: P
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["EP 4", "EP 1 (FSDP 2)"])
+@pytest.mark.parametrize("layout", ["EP 4", "EP 1 (FSDP 2)", "HSDP 2 x EP 2", "EP 2 x CP 2"])
 def test_resume_at_another_ep_degree(
     layout: str, straight: tuple[list[dict], Path], tmp_path: Path
 ) -> None:

@@ -40,13 +40,13 @@ def _check(argv: list[str], world: int) -> None:
             [
                 *MOE,
                 "--parallelism.expert_parallel_degree",
-                "2",
-                "--parallelism.data_parallel_replicate_degree",
+                "8",
+                "--parallelism.context_parallel_degree",
                 "2",
             ],
             4,
-            "data_parallel_replicate_degree",
-            "FSDP, TP and PP only",
+            "expert_parallel_degree",
+            "data_parallel_shard_degree=2 x context_parallel_degree=2 (= 4), which it must divide",
         ),
         (
             [*MOE, "--parallelism.expert_parallel_degree", "2", "--parallelism.fsdp_cpu_offload"],
@@ -65,9 +65,25 @@ def test_bad_expert_parallel(argv: list[str], world: int, field: str, rule: str)
     assert field in str(err.value) and rule in str(err.value), str(err.value)
 
 
-def test_good_expert_parallel() -> None:
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--parallelism.context_parallel_degree", "2"],  # EP over dp_shard x cp
+        ["--parallelism.data_parallel_replicate_degree", "2"],  # HSDP
+    ],
+)
+def test_good_expert_parallel(extra: list[str]) -> None:
     _check(
-        [*MOE, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"], 4
+        [
+            *MOE,
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--training.local_batch_size",
+            "2",
+            *extra,
+        ],
+        4,
     )
 
 

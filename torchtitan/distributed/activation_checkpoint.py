@@ -12,8 +12,8 @@ Three modes, all built on torch's non-reentrant ``torch.utils.checkpoint`` throu
   split.
 * ``selective`` with ``op``: every block is checkpointed with a per-op policy
   (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the outputs of expensive ops
-  are saved (attention, tensor-parallel reduce-scatters, float8 amax reductions, and every second
-  matmul), everything else (norms, RoPE, SwiGLU, residual adds and the other matmuls) is
+  are saved (attention, tensor-parallel reduce-scatters, expert-parallel all-to-alls of the token
+  rows, float8 amax reductions, and every second matmul), everything else (norms, RoPE, SwiGLU, residual adds and the other matmuls) is
   recomputed. Memory between none and full at a fraction of full's recompute.
 
 Recomputation replays the same kernels on the same inputs, so gradients are identical to
@@ -57,6 +57,7 @@ _ALWAYS_SAVE = _ops(
     (_aten, "_scaled_dot_product_cudnn_attention"),
     (_aten, "_scaled_dot_product_flash_attention_for_cpu"),
     (torch.ops._c10d_functional, "reduce_scatter_tensor"),  # TP + SP: no comm in recompute
+    (torch.ops._c10d_functional, "all_to_all_single"),  # expert parallel's token rows
     # Float8's dynamic scales come from amax reductions over whole tensors: tiny to keep, a
     # full pass over the input to recompute.
     (_aten, "max"),

@@ -1,4 +1,5 @@
-"""torch.compile per transformer block (fullgraph) and of the loss.
+"""torch.compile per transformer block (fullgraph, except blocks that declare graph breaks: the
+MoE layer's, docs/moe.md) and of the loss.
 
 Why per block and not the whole model: every block has the same code and shapes, so dynamo
 compiles one graph and reuses it for all blocks (compile time independent of depth), FSDP2's
@@ -101,6 +102,12 @@ def _wait_embedding_hook(module: nn.Module, args: Any, output: Any) -> Any:
     return output
 
 
+def _may_break_graph(block: nn.Module) -> bool:
+    """A block holding a module with ``compile_graph_breaks = True`` (the MoE layer: its routed
+    experts may run eagerly, docs/moe.md) is compiled with ``fullgraph=False``."""
+    return any(getattr(m, "compile_graph_breaks", False) for m in block.modules())
+
+
 def apply_compile(
     layers: nn.ModuleDict,
     *,
@@ -111,14 +118,16 @@ def apply_compile(
     """Compile the forward of every block in ``layers`` in place; returns the count.
 
     Apply after activation checkpointing (the recompute is then compiled too) and before
-    FSDP/DDP (their hooks stay outside the compiled forward). ``wait_on``: the token embedding
+    FSDP/DDP (their hooks stay outside the compiled forward). ``fullgraph`` holds for every
+    block except those that declare graph breaks (``_may_break_graph``). ``wait_on``: the token embedding
     under tensor parallel, whose async output must be waited on before a compiled block (see
     ``_wait_embedding_hook``).
     """
     for block in layers.values():
         # An instance attribute shadows the class's forward; nn.Module.__call__ runs the
         # module's hooks (FSDP's unshard/reshard) around it, outside the compiled region.
-        block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)  # type: ignore[method-assign]
+        full = fullgraph and not _may_break_graph(block)
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=full)  # type: ignore[method-assign]
     if wait_on is not None:
         wait_on.register_forward_hook(_wait_embedding_hook)
     logger.info(f"compiled {len(layers)} blocks (backend {backend}, fullgraph {fullgraph})")

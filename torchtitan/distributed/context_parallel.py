@@ -216,8 +216,14 @@ def apply_cp(
     ``AllGatherKVAttention`` and the model's forward receives this rank's global positions (a
     pre-hook), so RoPE rotates each token by where it sits in the full sequence. ``ring``:
     nothing changes in the model; the trainer runs forward and backward inside
-    ``ContextParallel.batch``.
+    ``ContextParallel.batch``. Either way, every module of ``model`` with
+    ``enable_context_parallel(cp_mesh)`` is told (the MoE layer's sequence-wise auxiliary loss
+    sums its expert load over ``cp``, docs/moe.md).
     """
+    for module in model.modules():
+        enable = getattr(module, "enable_context_parallel", None)
+        if callable(enable):
+            enable(cp_mesh)
     if method == "ring":
         return
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()

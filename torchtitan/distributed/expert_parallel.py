@@ -2,18 +2,23 @@
 experts, and tokens travel to their experts and back by all-to-all (docs/parallelisms.md,
 "Expert parallel"; docs/moe.md).
 
-The ``ep`` ranks are borrowed from data parallel (``dp_shard = efsdp x ep``): they see different
-tokens, and every token can go to any expert. With ``efsdp > 1`` the experts are FSDP-sharded
-over those remaining ranks (:func:`apply_expert_fsdp`); with ``efsdp = 1`` FSDP leaves them alone. Model-agnostic, like every ``apply_*`` here: a
-module takes part by having ``enable_expert_parallel(mesh) -> list[nn.Parameter]`` (the shared
-MoE layer does), which turns its stacked expert weights into DTensors sharded on dimension 0
-over ``mesh`` and routes its expert computation through :func:`run_experts`.
+The ``ep`` ranks are borrowed from data and context parallel (``dp_shard x cp = efsdp x ep``, ep
+innermost): they see different tokens (other sequences, or other parts of the same sequences
+under CP), and every token can go to any expert. The experts are FSDP-sharded over the remaining
+``efsdp`` ranks and, under HSDP, replicated across ``dp_replicate`` (:func:`apply_expert_fsdp` on
+``ParallelDims.get_mesh("expert_fsdp")``); with ``efsdp = 1`` and no replicas FSDP leaves them
+alone. Model-agnostic, like every ``apply_*`` here: a module takes part by having
+``enable_expert_parallel(mesh) -> list[nn.Parameter]`` (the shared MoE layer does), which turns
+its stacked expert weights into DTensors sharded on dimension 0 over ``mesh`` and routes its
+expert computation through :func:`run_experts`.
 
 Gradients: an expert's weight gradient sums the contributions of the tokens of all ``ep`` ranks
-(each already scaled by its rank's share of the loss), where data parallel averages the
-gradients of the other weights over the ranks. :func:`scale_grad` divides the expert gradients
-by ``ep`` on their way to the weights, so both are the gradient of the global-batch mean, as in
-one process. (Not a parameter hook: ``to_empty`` replaces DTensor parameters, dropping hooks.)
+(each already scaled by its rank's share of the loss: a mean over its own tokens), where data
+parallel averages the gradients of the other weights over the ``dp_shard x cp`` (and
+``dp_replicate``) ranks. :func:`scale_grad` divides the expert gradients by ``ep`` on their way
+to the weights, and FSDP averages them over the other ``efsdp`` (and ``dp_replicate``) ranks, so
+both are the gradient of the global-batch mean, as in one process. (Not a parameter hook:
+``to_empty`` replaces DTensor parameters, dropping hooks.)
 """
 
 from __future__ import annotations
@@ -49,10 +54,11 @@ def apply_expert_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: bool,
 ) -> None:
-    """FSDP over ``efsdp`` (the data-parallel ranks left beside ``ep``) for the modules holding
-    ``experts``: each expert DTensor on ``ep`` is sharded further on dimension 0, FSDP2's
-    "TP/EP" layout on the 2-D ``(efsdp, ep)`` mesh. Call before FSDP of the blocks, which then
-    skips these nested units."""
+    """FSDP over ``efsdp_mesh`` (the data-parallel ranks left beside ``ep``; 2-D
+    ``(dp_replicate, efsdp)`` for HSDP) for the modules holding ``experts``: each expert DTensor
+    on ``ep`` is sharded further on dimension 0 (FSDP2's "TP/EP" layout on the ``(efsdp, ep)``
+    mesh, replicated across the first axis under HSDP). Call before FSDP of the blocks, which
+    then skips these nested units."""
     owned = {id(p) for p in experts}
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for module in model.modules():

@@ -12,7 +12,9 @@ Which linears are converted:
   precision);
 * never one whose dimensions are not multiples of 16 (float8 GEMM kernels require it);
 * with ``auto_filter_small_kn``, not those too small for float8 to pay for its casts (torchao's
-  recipe-specific thresholds, measured on H100).
+  recipe-specific thresholds, measured on H100);
+* never one inside a module that declares ``float8_exempt = True``: the Mixture-of-Experts
+  layer (docs/moe.md) keeps its router, routed experts and shared experts in high precision.
 
 Recipes (``recipe_name``): ``tensorwise`` (one scale per tensor; supports float8 all-gather of
 FSDP parameters and the one-all-reduce scale precompute) and ``rowwise`` (one scale per row,
@@ -135,10 +137,11 @@ def apply_float8(
         config, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather, emulate=emulate
     )
     keep = float8_module_filter(filter_fqns, recipe_name, auto_filter_small_kn)
+    exempt = [f"{n}." for n, m in model.named_modules() if getattr(m, "float8_exempt", False)]
     converted: list[str] = []
 
     def record(module: nn.Module, fqn: str) -> bool:
-        ok = bool(keep(module, fqn))
+        ok = not fqn.startswith(tuple(exempt)) and bool(keep(module, fqn))
         if ok:
             converted.append(fqn)
         return ok

@@ -69,7 +69,8 @@ class ParallelDims:
     pp: int
     world_size: int
     ep: int = 1
-    """Expert parallel: a split of ``dp_shard`` (the ``ep`` and ``efsdp`` meshes, docs/parallelisms.md)."""
+    """Expert parallel: a split of ``dp_shard x cp`` (the ``ep`` and ``efsdp`` meshes,
+    docs/parallelisms.md)."""
     fsdp_cpu_offload: bool = False
     """FSDP CPU offload asks for FSDP even on a 1-rank ``dp_shard_cp`` mesh (docs/memory.md)."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
@@ -185,6 +186,12 @@ class ParallelDims:
         return self.cp > 1
 
     @property
+    def efsdp(self) -> int:
+        """Under expert parallel, the ranks of ``dp_shard x cp`` beside ``ep``: the experts'
+        FSDP degree (1: the experts are not sharded by FSDP)."""
+        return self.dp_shard * self.cp // self.ep
+
+    @property
     def dp_degree(self) -> int:
         """Data-parallel degree seen by the data loader (distinct batches per step)."""
         return self.dp_replicate * self.dp_shard
@@ -222,17 +229,24 @@ class ParallelDims:
             "dp_shard_cp": mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp"),
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp"),
         }
-        if self.ep > 1:  # dp_shard = efsdp x ep, ep innermost (docs/parallelisms.md)
-            split = mesh["dp_shard"]._unflatten(
-                0, (self.dp_shard // self.ep, self.ep), ("efsdp", "ep")
+        if self.ep > 1:  # dp_shard x cp = efsdp x ep, ep innermost (docs/parallelisms.md)
+            split = self._flat["dp_cp"]._unflatten(
+                0, (self.dp_replicate, self.efsdp, self.ep), ("ep_replicate", "efsdp", "ep")
             )
             self._flat.update(ep=split["ep"], efsdp=split["efsdp"])
+            # FSDP of the experts: HSDP (replicated across dp_replicate) or FSDP over efsdp.
+            if self.dp_replicate_enabled:
+                self._flat["expert_fsdp"] = split["ep_replicate", "efsdp"]
+            else:
+                self._flat["expert_fsdp"] = split["efsdp"]
         self._mesh = mesh
         return mesh
 
     def get_mesh(self, name: str) -> DeviceMesh:
         """A 1-D mesh: one of AXES, or a flattened view (dp, dp_shard_cp, dp_cp), or with expert
-        parallel ``ep`` / ``efsdp`` (the two factors of dp_shard)."""
+        parallel ``ep`` / ``efsdp`` (the two factors of dp_shard x cp) and ``expert_fsdp`` (the
+        mesh FSDP shards the experts on: ``efsdp``, or 2-D ``(ep_replicate, efsdp)`` under HSDP,
+        ``ep_replicate`` being the dp_replicate ranks)."""
         if name in self._flat:
             return self._flat[name]
         return self.world_mesh[name]

@@ -39,7 +39,7 @@ def parallelize(
     blocks = plan.blocks_of(model)
     par = cfg.parallelism
     # Expert parallel first: the experts become DTensors on ``ep`` (TP leaves DTensors alone,
-    # FSDP shards them over efsdp or leaves them alone).
+    # FSDP shards them over efsdp, replicates them over dp_replicate, or leaves them alone).
     experts = apply_ep(model, dims.get_mesh("ep")) if dims.ep > 1 else []
     deferred = cfg.training.loss_chunk_size > 0  # the loss applies the output projection
     if deferred:
@@ -76,9 +76,9 @@ def parallelize(
         )
     if dims.fsdp_enabled:
         reshard = reshard_policy(par.fsdp_reshard_after_forward, dims.pp_enabled)
-        if experts and dims.dp_shard > dims.ep:
-            efsdp = dims.get_mesh("efsdp")
-            apply_expert_fsdp(model, experts, efsdp, param_dtype, reduce_dtype, reshard)
+        if experts and (dims.efsdp > 1 or dims.dp_replicate_enabled):
+            mesh = dims.get_mesh("expert_fsdp")
+            apply_expert_fsdp(model, experts, mesh, param_dtype, reduce_dtype, reshard)
             experts = []  # nested FSDP units now: the blocks' FSDP skips them
         apply_fsdp(
             model,

@@ -12,7 +12,8 @@ _FIELD = "parallelism.expert_parallel_degree"
 
 def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
     """The MoE overrides need an MoE flavor; EP needs one whose expert count it divides, and
-    borrows its ranks from dp_shard (which it must divide); layouts not built yet are refused."""
+    borrows its ranks from dp_shard x cp (which it must divide). EP composes with FSDP, HSDP,
+    TP, PP and CP (docs/parallelisms.md, "Expert parallel")."""
     moe = getattr(MODELS[cfg.model.name].flavors[cfg.model.flavor], "moe", None)
     for name in ("moe_aux_loss_coef", "moe_bias_update_rate"):
         value = getattr(cfg.model, name)
@@ -33,29 +34,22 @@ def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
             f"{cfg.model.name} {cfg.model.flavor} has no experts to split",
             "use 1, or an MoE flavor (e.g. qwen3 debugmodel_moe)",
         )
-    if dims.dp_shard % ep != 0:
+    borrowed = dims.dp_shard * dims.cp
+    if borrowed % ep != 0:
+        source = f"data_parallel_shard_degree={dims.dp_shard}"
+        if dims.cp > 1:
+            source += f" x context_parallel_degree={dims.cp} (= {borrowed})"
         raise ConfigError(
             _FIELD,
             ep,
-            f"borrows its ranks from data_parallel_shard_degree={dims.dp_shard}, which it must divide",
-            f"use one of {', '.join(map(str, divisors(dims.dp_shard)))}",
+            f"borrows its ranks from {source}, which it must divide",
+            f"use one of {', '.join(map(str, divisors(borrowed)))}",
         )
     if moe.num_experts % ep != 0:
+        options = [d for d in divisors(moe.num_experts) if borrowed % d == 0]
         raise ConfigError(
             _FIELD,
             ep,
             f"must divide the {moe.num_experts} experts of each MoE layer",
-            f"use one of {', '.join(str(d) for d in divisors(moe.num_experts) if dims.dp_shard % d == 0)}",
+            f"use one of {', '.join(map(str, options))}",
         )
-    unsupported = {
-        "data_parallel_replicate_degree": dims.dp_replicate,
-        "context_parallel_degree": dims.cp,
-    }
-    for name, degree in unsupported.items():
-        if degree > 1:
-            raise ConfigError(
-                f"parallelism.{name}",
-                degree,
-                "expert parallel is built with FSDP, TP and PP only (not yet with HSDP or CP)",
-                f"set {name} = 1 or expert_parallel_degree = 1",
-            )

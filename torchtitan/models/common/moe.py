@@ -5,7 +5,7 @@ normalisation), routed SwiGLU experts held as stacked ``[E, ...]`` weights (:cla
 optional shared experts every token runs. Dispatch is dropless: every token reaches its ``top_k``
 experts, whatever the load; tokens are sorted by expert and the experts run as one grouped GEMM
 (``torch._grouped_mm``) where the device and dtype support it (probed once), an exact per-expert
-loop elsewhere.
+loop elsewhere. The router is in ``moe_router.py``, the experts in ``moe_experts.py``.
 
 Load balancing, both optional and combinable:
 
@@ -28,18 +28,19 @@ synchronisation per step).
 from __future__ import annotations
 
 import dataclasses
-import functools
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchtitan.distributed.expert_parallel import run_experts, scale_grad
+from torchtitan.distributed.expert_parallel import run_experts
+from torchtitan.models.common.moe_experts import Experts, SharedExpert, grouped_mm_supported
+from torchtitan.models.common.moe_router import MoEArgs, Router
 
 __all__ = [
     "MoE",
@@ -52,166 +53,24 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class MoEArgs:
-    """Shape and routing of one Mixture-of-Experts layer."""
-
-    num_experts: int = 8
-    top_k: int = 2
-    expert_dim: int = 128
-    """Hidden width of each routed SwiGLU expert (``moe_intermediate_size``)."""
-    num_shared_experts: int = 0
-    """Experts every token runs, un-gated, fused into one SwiGLU of ``num * expert_dim``."""
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    route_norm: bool = True
-    """Rescale a token's top-k weights to sum to 1 (Qwen3-MoE's ``norm_topk_prob``)."""
-    route_scale: float = 1.0
-    n_groups: int = 1
-    """Group-limited routing: experts split into ``n_groups`` groups, a token may use only the
-    ``topk_groups`` best groups (group score: the sum of its two best scores). 1: off."""
-    topk_groups: int = 1
-    aux_loss_coef: float = 0.0
-    bias_update_rate: float = 0.0
-    """Auxiliary-loss-free balancing step size; 0 disables the bias."""
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
-        if self.num_experts % self.n_groups != 0:
-            raise ValueError(f"num_experts={self.num_experts} not divisible by n_groups")
-        if self.n_groups > 1 and not (
-            1 <= self.topk_groups <= self.n_groups
-            and self.top_k <= self.topk_groups * self.num_experts // self.n_groups
-        ):
-            raise ValueError(f"topk_groups={self.topk_groups} cannot hold top_k={self.top_k}")
-
-    def num_params(self, dim: int, active: bool = False) -> int:
-        """Router + routed experts (all, or the ``top_k`` a token uses) + shared experts."""
-        routed = self.top_k if active else self.num_experts
-        swiglu = 3 * dim * self.expert_dim
-        return self.num_experts * dim + (routed + self.num_shared_experts) * swiglu
-
-
-class Router(nn.Module):
-    """Token -> (expert ids ``[T, k]``, weights ``[T, k]``, scores ``[T, E]``)."""
-
-    expert_bias: torch.Tensor
-
-    def __init__(self, dim: int, args: MoEArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
-        self.register_buffer("expert_bias", torch.zeros(args.num_experts), persistent=True)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        a = self.args
-        logits = F.linear(x, _local(self.gate.weight, 1.0)).float()
-        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
-        choose = scores.detach() + self.expert_bias if a.bias_update_rate > 0 else scores.detach()
-        if a.n_groups > 1:
-            choose = _limit_groups(choose, a.n_groups, a.topk_groups)
-        idx = choose.topk(a.top_k, dim=-1).indices
-        weights = scores.gather(-1, idx)
-        if a.route_norm:
-            weights = weights / (
-                weights.sum(-1, keepdim=True) + (a.score_func == "sigmoid") * 1e-20
-            )
-        return idx, weights * a.route_scale, scores
-
-
-def _limit_groups(scores: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
-    """``scores`` with every expert outside a token's ``topk_groups`` best groups set to -inf."""
-    t, e = scores.shape
-    grouped = scores.view(t, n_groups, e // n_groups)
-    group_score = grouped.topk(min(2, e // n_groups), dim=-1).values.sum(-1)  # [T, G]
-    keep = torch.zeros_like(group_score, dtype=torch.bool)
-    keep.scatter_(1, group_score.topk(topk_groups, dim=-1).indices, True)
-    return grouped.masked_fill(~keep[..., None], float("-inf")).view(t, e)
-
-
-@functools.cache
-def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs forward and backward here and matches a loop (probed
-    once per device type and dtype: support differs across torch versions and devices)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return False
-    try:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(24, 16, generator=gen).to(device_type, dtype).requires_grad_()
-        w = torch.randn(3, 16, 16, generator=gen).to(device_type, dtype).requires_grad_()
-        offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device_type)
-        y = torch._grouped_mm(x, w, offs=offs)
-        y.backward(torch.ones_like(y))
-        ref = torch.cat([x[:8] @ w[0], x[8:] @ w[2]])
-        return bool(torch.allclose(y, ref, rtol=1e-2, atol=1e-2)) and w.grad is not None
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool):
-    """Rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert ``e``) times ``w[e]``."""
-    if grouped:
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        return torch._grouped_mm(x, w, offs=offs)
-    parts = torch.split(x, counts.tolist())  # the fallback: one host sync per call
-    return torch.cat([p @ w[e] for e, p in enumerate(parts)])
-
-
-class Experts(nn.Module):
-    """``E`` SwiGLU experts as stacked weights: ``w1``/``w3`` ``[E, dim, hidden]``, ``w2``
-    ``[E, hidden, dim]`` (a token's row times the matrix, no transpose)."""
-
-    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.use_grouped_mm: bool | None = None
-        """None: decided by :func:`grouped_mm_supported`; True/False forces a path."""
-        self.grad_scale = 1.0
-        """Gradient factor of expert-parallel (DTensor) weights: 1 / ep."""
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # Under expert parallel the weights are DTensors: this rank's experts are its shard,
-        # and their gradients are scaled by 1 / ep (distributed/expert_parallel.py).
-        w1, w2, w3 = (_local(w, self.grad_scale) for w in (self.w1, self.w2, self.w3))
-        grouped = self.use_grouped_mm
-        if grouped is None:
-            grouped = grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, w1, w2)
-        h = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
-        return expert_matmul(h, w2, counts, grouped)
-
-
-def _local(w: torch.Tensor, grad_scale: float) -> torch.Tensor:
-    """A weight's local values: expert-parallel shards (gradient scaled by ``grad_scale``) and
-    tensor-parallel replicas (``distributed/replicate_parallel.py``) compute locally."""
-    if not isinstance(w, DTensor):
-        return w
-    local = w.to_local()
-    return local if grad_scale == 1.0 else scale_grad(local, grad_scale)
-
-
-def _aligned(x: torch.Tensor, *ws: torch.Tensor) -> bool:
-    """grouped_mm needs every row stride to be a multiple of 16 bytes."""
-    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in (x, *ws))
-
-
-class SharedExpert(nn.Module):
-    """The shared experts: one dense SwiGLU every token runs."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (_local(m.weight, 1.0) for m in (self.w1, self.w2, self.w3))
-        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
-
-
 class MoE(nn.Module):
-    """``[B, S, dim] -> [B, S, dim]``: routed experts (+ shared experts), dropless."""
+    """``[B, S, dim] -> [B, S, dim]``: routed experts (+ shared experts), dropless.
+
+    Under torch.compile the routed experts run eagerly (one graph break) where they cannot be
+    traced: under expert parallel (the all-to-all split sizes are data on the device, read by
+    the host) and where compile has no grouped-GEMM kernel for the dtype (torch 2.13: fp32).
+    Everything else of the layer (router, auxiliary loss, sort, combine, shared expert) is
+    compiled; ``compile_graph_breaks`` tells ``apply_compile`` to allow the break.
+    """
+
+    compile_graph_breaks = True
+    float8_exempt = True
+    """Float8 training (``distributed/float8.py``) leaves the whole layer in high precision:
+    the router's scores pick the experts (a rounding flips top-k choices) and its GEMM is only
+    ``E`` wide; the routed experts are stacked weights run by the grouped GEMM, not
+    ``nn.Linear`` (a float8 grouped GEMM is CUDA-only in torchao and not wired here); the shared
+    expert applies its weights with ``F.linear`` on their local values (for tensor parallel's
+    ``ReplicateParallel``), which a ``Float8Linear`` swap would never reach."""
 
     tokens_per_expert: torch.Tensor
     load_since_log: torch.Tensor
@@ -235,6 +94,14 @@ class MoE(nn.Module):
         """The last forward's auxiliary loss (detached), None when the coefficient is 0."""
         self.ep_mesh: DeviceMesh | None = None
         """Set by expert parallel (:meth:`enable_expert_parallel`)."""
+        self.cp_mesh: DeviceMesh | None = None
+        """Set by context parallel (:meth:`enable_context_parallel`)."""
+
+    def enable_context_parallel(self, mesh: DeviceMesh) -> None:
+        """Under context parallel this rank sees part of every sequence: the sequence-wise
+        auxiliary loss then takes each expert's share of the slots over the whole sequence
+        (summed over ``mesh``, docs/moe.md)."""
+        self.cp_mesh = mesh if mesh.size() > 1 else None
 
     def enable_expert_parallel(self, mesh: DeviceMesh) -> list[nn.Parameter]:
         """Shard the routed experts on dimension 0 over ``mesh`` (``distributed/
@@ -253,8 +120,13 @@ class MoE(nn.Module):
         bs, seqlen, dim = x.shape
         flat = x.reshape(-1, dim)
         idx, weights, scores = self.router(flat)
-        counts = torch.bincount(idx.flatten(), minlength=self.args.num_experts)
-        if self.training:
+        # Slots per expert (a fixed-size result, unlike bincount's, so compile needs no guard).
+        counts = idx.new_zeros(self.args.num_experts)
+        counts.scatter_add_(0, idx.flatten(), torch.ones_like(idx.flatten()))
+        # The device-side statistics count each forward once: not again when activation
+        # checkpointing recomputes this layer in the backward.
+        record = self.training and not _recomputing()
+        if record:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
                 self.load_since_log += counts.to(self.load_since_log.dtype)
@@ -265,7 +137,7 @@ class MoE(nn.Module):
         if self.args.aux_loss_coef > 0:
             aux = self._aux_loss(idx, scores, bs)
             self.aux_loss = aux.detach()
-            if self.training:
+            if record:
                 self.aux_since_log += torch.stack([self.aux_loss, torch.ones_like(self.aux_loss)])
             if torch.is_grad_enabled():
                 routed = _AttachAuxLoss.apply(routed, aux, self.aux_loss_scale)
@@ -279,18 +151,31 @@ class MoE(nn.Module):
         k = idx.shape[1]
         order = idx.flatten().argsort(stable=True)
         token = order // k
-        if self.ep_mesh is None:
-            out = self.experts(x[token], counts)
+        rows = x[token]
+        if torch.compiler.is_compiling() and (
+            self.ep_mesh is not None or not self.experts.traceable(rows)
+        ):
+            out = _eager(self._run_experts, rows, counts)  # a graph break: see the class docstring
         else:
-            out = run_experts(x[token], counts, self.experts, self.ep_mesh)
+            out = self._run_experts(rows, counts)
         out = out * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, out)
+
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.ep_mesh is None:
+            return self.experts(rows, counts)
+        return run_experts(rows, counts, self.experts, self.ep_mesh)
 
     def _aux_loss(self, idx: torch.Tensor, scores: torch.Tensor, bs: int) -> torch.Tensor:
         e = self.args.num_experts
         seq = scores.view(bs, -1, e)
         probs = seq / seq.sum(-1, keepdim=True) if self.args.score_func == "sigmoid" else seq
         load = F.one_hot(idx.view(bs, -1), e).float().mean(1)  # [B, E]: share of slots
+        if self.cp_mesh is not None:
+            # The share over the whole sequence (the cp ranks hold equal parts of it). ``probs``
+            # stays this rank's mean: the cp ranks' losses then average to the one-process
+            # loss, and so do their gradients (FSDP averages over dp_shard x cp).
+            load = funcol.all_reduce(load, "sum", self.cp_mesh) / self.cp_mesh.size()
         balance = e * (load * probs.mean(1)).sum(-1)  # [B], 1.0 when perfectly balanced
         return self.args.aux_loss_coef * balance.mean()
 
@@ -300,6 +185,20 @@ class MoE(nn.Module):
         rate = self.args.bias_update_rate
         bias = self.router.expert_bias
         bias += rate * torch.sign(counts.mean() - counts).to(bias.dtype)
+
+
+@torch.compiler.disable
+def _eager(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` run eagerly, outside any compiled graph."""
+    return fn(*args)
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside the backward: non-reentrant activation checkpointing
+    recomputing the layer. (Compiled checkpointed regions replay no Python side effects.)"""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -1,0 +1,156 @@
+"""The experts of the shared Mixture-of-Experts layer (docs/moe.md): routed SwiGLUs held as stacked
+``[E, ...]`` weights and run as one grouped GEMM (``torch._grouped_mm``) where the device and dtype
+support it (probed once), an exact per-expert loop elsewhere; the shared experts as one SwiGLU.
+"""
+
+from __future__ import annotations
+
+import functools
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.distributed.expert_parallel import scale_grad
+
+__all__ = [
+    "Experts",
+    "SharedExpert",
+    "expert_matmul",
+    "grouped_mm_supported",
+    "grouped_mm_traceable",
+    "local_weight",
+]
+
+
+@torch.compiler.assume_constant_result  # compile calls it once, eagerly, and keeps the answer
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward here and matches a loop (probed
+    once per device type and dtype: support differs across torch versions and devices)."""
+    return _probe_grouped_mm(device_type, dtype)
+
+
+@functools.cache
+def _probe_grouped_mm(device_type: str, dtype: torch.dtype) -> bool:
+    # In a thread of its own: the first call may come from inside an activation-checkpointed
+    # forward, whose saved-tensor hooks and dispatch modes (thread-local) must not see the
+    # probe's own forward and backward (its backward would trigger the recomputation).
+    # A new thread starts on accelerator 0: give it the caller's device (no context on GPU 0).
+    device = torch.device(device_type)
+    if device.type == getattr(torch.accelerator.current_accelerator(), "type", None):
+        device = torch.device(device.type, torch.accelerator.current_device_index())
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_run_probe, device, dtype).result()
+
+
+def _run_probe(device: torch.device, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.index is not None:
+        torch.accelerator.set_device_index(device.index)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(24, 16, generator=gen).to(device, dtype).requires_grad_()
+        w = torch.randn(3, 16, 16, generator=gen).to(device, dtype).requires_grad_()
+        offs = torch.tensor([8, 8, 24], dtype=torch.int32, device=device)
+        y = torch._grouped_mm(x, w, offs=offs)
+        y.backward(torch.ones_like(y))
+        ref = torch.cat([x[:8] @ w[0], x[8:] @ w[2]])
+        return bool(torch.allclose(y, ref, rtol=1e-2, atol=1e-2)) and w.grad is not None
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+@torch.compiler.assume_constant_result
+def grouped_mm_traceable(dtype: torch.dtype) -> bool:
+    """Whether torch.compile can trace ``torch._grouped_mm`` in ``dtype``: its meta kernel (the
+    shape function compile runs) accepts only bf16 on torch 2.13, although the CPU kernel runs
+    fp32 too."""
+    return _probe_meta(dtype)
+
+
+@functools.cache
+def _probe_meta(dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        x, w = (
+            torch.empty(24, 16, device="meta", dtype=dtype),
+            torch.empty(3, 16, 16, device="meta", dtype=dtype),
+        )
+        torch._grouped_mm(x, w, offs=torch.empty(3, device="meta", dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool):
+    """Rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert ``e``) times ``w[e]``."""
+    if grouped:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        return torch._grouped_mm(x, w, offs=offs)
+    parts = torch.split(x, counts.tolist())  # the fallback: one host sync per call
+    return torch.cat([p @ w[e] for e, p in enumerate(parts)])
+
+
+class Experts(nn.Module):
+    """``E`` SwiGLU experts as stacked weights: ``w1``/``w3`` ``[E, dim, hidden]``, ``w2``
+    ``[E, hidden, dim]`` (a token's row times the matrix, no transpose)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.use_grouped_mm: bool | None = None
+        """None: decided by :func:`grouped_mm_supported`; True/False forces a path."""
+        self.grad_scale = 1.0
+        """Gradient factor of expert-parallel (DTensor) weights: 1 / ep."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # Under expert parallel the weights are DTensors: this rank's experts are its shard,
+        # and their gradients are scaled by 1 / ep (distributed/expert_parallel.py).
+        w1, w2, w3 = (local_weight(w, self.grad_scale) for w in (self.w1, self.w2, self.w3))
+        grouped = self._grouped(x)
+        h = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
+        return expert_matmul(h, w2, counts, grouped)
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        if self.use_grouped_mm is not None:
+            return self.use_grouped_mm
+        return grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, self.w1, self.w2)
+
+    def traceable(self, x: torch.Tensor) -> bool:
+        """Whether torch.compile can trace :meth:`forward` on rows like ``x``: the grouped GEMM
+        (the loop needs the split sizes on the host) with a meta kernel for the dtype."""
+        return self._grouped(x) and grouped_mm_traceable(x.dtype)
+
+
+def local_weight(w: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+    """A weight's local values: expert-parallel shards (gradient scaled by ``grad_scale``) and
+    tensor-parallel replicas (``distributed/replicate_parallel.py``) compute locally."""
+    if not isinstance(w, DTensor):
+        return w
+    local = w.to_local()
+    return local if grad_scale == 1.0 else scale_grad(local, grad_scale)
+
+
+def _aligned(x: torch.Tensor, *ws: torch.Tensor) -> bool:
+    """grouped_mm needs every row stride to be a multiple of 16 bytes."""
+    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in (x, *ws))
+
+
+class SharedExpert(nn.Module):
+    """The shared experts: one dense SwiGLU every token runs."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (local_weight(m.weight, 1.0) for m in (self.w1, self.w2, self.w3))
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
