@@ -1,5 +1,5 @@
 """Bitwise resume under the memory levers (docs/memory.md): bf16 Adam moments, bf16 master
-weights and FSDP CPU offload, each on 2 FSDP ranks. A run stopped after step 2 (checkpoint) and
+weights and FSDP CPU offload, each on 2 FSDP ranks (and offload on one process too). A run stopped after step 2 (checkpoint) and
 resumed reproduces the uninterrupted 4-step run's losses, gradient norms and final checkpoint
 (model, optimizer state in its low precision, RNG) bit for bit."""
 
@@ -27,12 +27,14 @@ LEVERS = {
         "auto",
     ],
     "cpu-offload": ["--parallelism.fsdp_cpu_offload"],
+    # One process: FSDP on the 1-rank mesh, what offload on a single GPU runs.
+    "cpu-offload-1dev": ["--parallelism.fsdp_cpu_offload"],
 }
 
 
-def _run(argv: list[str], dump: Path, stop_after: int | None = None) -> list[dict]:
+def _run(argv: list[str], dump: Path, stop_after: int | None = None, ranks: int = 2) -> list[dict]:
     # stop_after: SIGTERM after that step (the run checkpoints and exits 0).
-    results = run_ranks(train_with_faults, 2, argv, str(dump), stop_after, 0, timeout=600)
+    results = run_ranks(train_with_faults, ranks, argv, str(dump), stop_after, 0, timeout=600)
     assert results[0] is not None, "rank 0 wrote no metrics"
     return results[0]
 
@@ -40,11 +42,13 @@ def _run(argv: list[str], dump: Path, stop_after: int | None = None) -> list[dic
 @pytest.mark.slow
 @pytest.mark.parametrize("lever", list(LEVERS))
 def test_bitwise_resume(lever: str, tmp_path: Path) -> None:
-    base = ["--training.local_batch_size", "4", *LEVERS[lever]]
-    straight = _run(ckpt_argv(*base, steps=4, interval=2), tmp_path / "straight")
-    first = _run(ckpt_argv(*base, steps=4, interval=2), tmp_path / "resumed", stop_after=2)
+    ranks = 1 if lever.endswith("1dev") else 2
+    base = ["--training.local_batch_size", str(8 // ranks), *LEVERS[lever]]
+    argv = ckpt_argv(*base, steps=4, interval=2)
+    straight = _run(argv, tmp_path / "straight", ranks=ranks)
+    first = _run(argv, tmp_path / "resumed", stop_after=2, ranks=ranks)
     fresh_metrics(tmp_path / "resumed")
-    resumed = _run(ckpt_argv(*base, steps=4, interval=2), tmp_path / "resumed")
+    resumed = _run(argv, tmp_path / "resumed", ranks=ranks)
     assert [m["step"] for m in first + resumed] == list(range(1, 5))
     for key in ("loss", "grad_norm"):
         assert [m[key] for m in first + resumed] == [m[key] for m in straight], key

@@ -92,6 +92,26 @@ def test_tracker_follows_storages_views_and_resizes() -> None:
     assert ("resize_" in torch.UntypedStorage.__dict__) == had_attr
 
 
+def test_tracker_peak_excluding_storages_named_after_the_fact() -> None:
+    with LiveTensorTracker(record=True) as tracker:
+        host = torch.empty(1024)  # 4 KiB, live all along
+        tracker.reset_peak()
+        with tracker.collecting() as made:
+            moment = torch.empty(2048)  # 8 KiB, made inside the block
+        tmp = torch.empty(512)  # 2 KiB transient
+        del tmp
+        grad = torch.empty(256)  # 1 KiB, named only at the end
+        view = moment[:10]
+        del moment
+        assert tracker.peak == 4096 + 8192 + 2048 + 1024 - 1024  # the temporary came before grad
+        excluded = tracker.serials([host, grad]) | made
+        assert tracker.serials([view]) <= made  # a view names its base's storage
+        # Without host, grad and moment at every moment: only the transient counts.
+        assert tracker.peak_excluding(excluded) == 2048
+        assert tracker.peak_excluding(set()) == tracker.peak
+        del view, host, grad
+
+
 # ---------------------------------------------------------------------- arithmetic
 def saved_block_bytes(model: torch.nn.Module, dim: int, batch: int) -> int:
     """Bytes autograd saves while block 0 of ``model`` runs forward on ``batch`` x 64 tokens

@@ -92,7 +92,7 @@ def test_state_dict_round_trip_is_bitwise_and_keeps_bf16() -> None:
 @pytest.mark.parametrize(
     "argv, world, field",
     [
-        (["--parallelism.fsdp_cpu_offload"], 1, "parallelism.fsdp_cpu_offload"),
+        # Offload on one rank is FSDP on a 1-rank mesh (accepted); pure DDP is refused.
         (
             ["--parallelism.fsdp_cpu_offload", "--parallelism.data_parallel_replicate_degree=2"],
             2,

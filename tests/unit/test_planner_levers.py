@@ -34,12 +34,18 @@ def test_estimator_bytes_per_lever() -> None:
     off = _estimate("--parallelism.fsdp_cpu_offload")
     assert off.parameters == off.optimizer_states == 0
     assert off.host >= base.parameters + base.optimizer_states
-    # Whole logits: the saved fp32 log-softmax, two fp32 gradients and the bf16 one; chunked:
-    # nothing saved, and the same four for one chunk of 1024 tokens.
+    # Whole logits: the saved fp32 log-softmax and two fp32 gradients (the bf16 logits gradient
+    # comes after they are freed); chunked: nothing saved, and three fp32 tensors of one chunk.
     saved, ws = loss_working_set(8192, 128256, 2, 0)
-    assert (saved, ws) == (8192 * 128256 * 4, 8192 * 128256 * 10)
+    assert (saved, ws) == (8192 * 128256 * 4, 8192 * 128256 * 8)
     saved, ws = loss_working_set(8192, 128256, 2, 1024)
-    assert (saved, ws) == (0, 1024 * 128256 * 14)
+    assert (saved, ws) == (0, 1024 * 128256 * 12)
+    # With the model width (docs/planning.md): from the second chunk on, the weight gradient
+    # summed so far and the whole input gradient; at 128k x 4096 the projection's backward
+    # (two fp32 chunk tensors, the chunk's weight and input gradients) is the larger moment.
+    saved, ws = loss_working_set(8192, 128256, 2, 1024, 4096, 2)
+    summed = 128256 * 4096 * 2 + 8192 * 4096 * 2
+    assert ws == 1024 * 128256 * 8 + 128256 * 4096 * 2 + 1024 * 4096 * 2 + summed
     assert _estimate("--training.loss_chunk_size", "1024").total < base.total
 
 
@@ -66,6 +72,25 @@ def test_planner_proposes_levers_with_offload_slowdown() -> None:
     assert lever_cfg.training.loss_chunk_size > 0
     slower = plan(cfg, args, 2, Hardware(memory_gib=24, host_device_gbps=5.0))[0][0]
     assert slower.terms["offload_copies"] == pytest.approx(5 * top.terms["offload_copies"])
+
+
+def test_planner_fits_8b_on_one_80gib_device_with_offload() -> None:
+    """The issue's headline: Llama 3 8B, seq 8192, batch 1, one 80 GiB device. fp32 weights,
+    gradients and bf16 moments alone are 12 bytes x 8.03 B > 80 GiB, so only offload (FSDP on
+    a 1-rank mesh) makes it fit."""
+    cfg = parse_args([*BASE, "--training.global_batch_size", "1"])
+    args = model_args_for(cfg, vocab_size=128256)
+    results, _, _ = plan(cfg, args, 1, Hardware(memory_gib=80))
+    assert results, "8B does not fit one 80 GiB device even with the levers"
+    top = results[0]
+    assert top.layout.levers == ("chunked_loss", "bf16_moments", "cpu_offload")
+    assert top.layout.dp_shard == top.layout.tp == top.layout.pp == 1
+    assert top.memory.total <= 0.9 * 80 * GIB
+    assert top.memory.host > 8e9 * (4 + 4 + 4)  # weights, gradients, bf16 moments
+    argv = [*BASE, "--training.global_batch_size", "1"]
+    for item in top.layout.overrides():
+        argv += item.split(" ")
+    validate_config(parse_args(argv), world_size=1)
 
 
 def test_explain_shows_the_levers() -> None:

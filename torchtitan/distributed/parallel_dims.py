@@ -71,6 +71,8 @@ class ParallelDims:
     ep: int = 1
     """Expert parallel: a split of ``dp_shard x cp`` (the ``ep`` and ``efsdp`` meshes,
     docs/parallelisms.md)."""
+    fsdp_cpu_offload: bool = False
+    """FSDP CPU offload asks for FSDP even on a 1-rank ``dp_shard_cp`` mesh (docs/memory.md)."""
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _flat: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
 
@@ -85,6 +87,7 @@ class ParallelDims:
             pp=p.pipeline_parallel_degree,
             world_size=world_size,
             ep=p.expert_parallel_degree,
+            fsdp_cpu_offload=p.fsdp_cpu_offload,
         )
 
     def __post_init__(self) -> None:
@@ -161,8 +164,9 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        """Parameters are sharded (FSDP or HSDP) over dp_shard x cp."""
-        return self.dp_shard * self.cp > 1
+        """Parameters are sharded (FSDP or HSDP) over dp_shard x cp; under CPU offload also when
+        that is one rank (FSDP on a 1-rank mesh keeps the whole parameters on the host)."""
+        return self.dp_shard * self.cp > 1 or self.fsdp_cpu_offload
 
     @property
     def ddp_enabled(self) -> bool:

@@ -323,18 +323,37 @@ def param_dtype_bytes(cfg: JobConfig, device_type: str) -> int:
     return resolve_dtype(cfg.training.mixed_precision_param, device_type).itemsize
 
 
-def loss_working_set(tokens: int, vocab: int, act: int, chunk: int) -> tuple[int, int]:
+def loss_working_set(
+    tokens: int, vocab: int, act: int, chunk: int, dim: int = 0, grad_bytes: int = 4
+) -> tuple[int, int]:
     """(saved per microbatch, working set at the loss backward) of the cross-entropy over
     ``tokens`` local tokens and a ``vocab``-wide (local) vocabulary.
 
     Whole logits: forward saves the fp32 log-softmax (``tokens x vocab``) and backward adds two
-    fp32 gradients of that size (plus the low-precision logits gradient). Chunked
+    fp32 gradients of that size; the low-precision logits gradient comes after the log-softmax
+    and its incoming gradient are freed, so it is never live with them (measured). Chunked
     (``chunk`` > 0, docs/memory.md): nothing vocabulary-wide is saved; backward recomputes one
-    chunk at a time, so the same three tensors exist for ``min(chunk, tokens)`` tokens."""
+    chunk at a time (its ``C = min(chunk, tokens)`` rows), and the largest of two moments of a
+    chunk's backward counts, measured with ``LiveTensorTracker`` (docs/planning.md):
+
+    * the log-softmax backward: the chunk's recomputed log-softmax, its incoming gradient and the
+      logits gradient (three fp32 ``C x vocab``);
+    * the output projection's backward: the log-softmax output and the logits gradient, the
+      chunk's new weight gradient (``vocab x dim``) and its input gradient (``C x dim``).
+
+    From the second chunk on, both moments also hold the weight gradient summed over the earlier
+    chunks (``grad_bytes`` per element) and the whole ``tokens x dim`` input gradient the chunks'
+    slices accumulate into."""
     rows = tokens if chunk <= 0 else min(chunk, tokens)
-    ws = 2 * rows * vocab * 4 + (rows * vocab * act if act != 4 else 0)
-    saved = tokens * vocab * 4 if chunk <= 0 else 0
-    return saved, ws + (rows * vocab * 4 if chunk > 0 else 0)
+    logits = rows * vocab * 4
+    ws = 2 * logits
+    if chunk <= 0:
+        return tokens * vocab * 4, ws
+    multi = tokens > chunk
+    summed = (vocab * dim * grad_bytes + tokens * dim * act) if multi else 0
+    softmax = ws + logits + summed
+    projection = ws + vocab * dim * grad_bytes + rows * dim * act + summed
+    return 0, max(softmax, projection)
 
 
 def _estimate_rank(
@@ -465,7 +484,12 @@ def _estimate_rank(
         carried_grads = unsharded_grads if pp_fsdp else device_grads
 
     # --- moment 1: loss backward (head rank only has logits)
-    loss_ws = loss_working_set(mb_tokens, vocab_local, act, t.loss_chunk_size)[1] if has_head else 0
+    head_grad = act if fsdp else mw  # the output weight's gradient in the chunked loss
+    loss_ws = (
+        loss_working_set(mb_tokens, vocab_local, act, t.loss_chunk_size, a.dim, head_grad)[1]
+        if has_head
+        else 0
+    )
     out_grad = 0
     if has_head and (fsdp or act != mw):
         out_grad = _full(tuple(root_shapes)) * act
@@ -505,6 +529,10 @@ def _estimate_rank(
         lower = sum(per_block[j] for j in below_blocks[:idx])
         recompute = full_block[i] if modes[i] != "none" else per_block[i]
         own = own_grads(sizes[i].gathered, sizes[i].stored)
+        if not (fsdp or act != mw):
+            # Without FSDP each weight gradient lands in .grad as its op's backward runs: at the
+            # block's peak (the SwiGLU backward) only the down projection's exists (planning.md).
+            own = min(own, _full(shapes.block[5:6]) * mw)
         ws = block_backward_bytes(a, mb_tokens, act, tp) + own
         experts = own_grads(sizes[i].experts_gathered, sizes[i].experts_stored)
         ws += moe_terms.moe_backward_delta(a, i, mb_tokens, act, tp, experts)

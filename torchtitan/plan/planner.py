@@ -150,7 +150,8 @@ def plan(
         candidates = [
             dataclasses.replace(lay, levers=levers)
             for lay in layouts
-            if "cpu_offload" not in levers or lay.dp_shard * lay.cp > 1
+            # offload needs FSDP, on a 1-rank mesh too; preflight refuses it with pure DDP
+            if "cpu_offload" not in levers or lay.dp_shard * lay.cp > 1 or lay.dp_replicate == 1
         ]
         results, too_big = _fitting(cfg, a, world_size, hw, candidates)
         if results:

@@ -13,12 +13,22 @@ buffers of the communication backend. Those are what the estimator's temporaries
 
 Used by the estimator's calibration test; it works on any device (CPU included), in one process
 or per rank.
+
+Excluding storages after the fact (``record=True``): every storage gets a serial number when it
+is first seen, and the tracker logs each change of live bytes since the last ``reset_peak``.
+:meth:`LiveTensorTracker.peak_excluding` replays that log without the given storages, so a
+caller that learns only at the end of a step which storages belong to a category (e.g. the ones
+FSDP's CPU offload keeps in host memory: sharded parameters, their gradients, optimizer states)
+gets the peak of the rest at every moment of the step. :meth:`LiveTensorTracker.serials` names
+live storages by tensor; :meth:`LiveTensorTracker.collecting` names the storages created inside
+a block of code (e.g. the optimizer step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -37,17 +47,39 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class LiveTensorTracker(TorchDispatchMode):
     """Tracks the bytes of live tensor storages; ``peak`` is the maximum seen since ``reset_peak``."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         super().__init__()
         self._sizes: dict[int, int] = {}  # storage key -> bytes now
+        self._serial: dict[int, int] = {}  # storage key -> serial (keys are reused, serials not)
+        self._next_serial = 0
         self.current = 0
         self.peak = 0
+        self.record = record
+        self._start: dict[int, int] = {}  # serial -> bytes live at the last reset_peak
+        self._log: list[tuple[int, int]] = []  # (serial, change of bytes) since then
+        self._collectors: list[set[int]] = []
         self._original_resize: Callable[..., Any] | None = None
         self._own_attr = False
 
     # ------------------------------------------------------------------ bookkeeping
+    def _change(self, key: int, delta: int) -> None:
+        self.current += delta
+        if self.record and delta:
+            self._log.append((self._serial[key], delta))
+
+    def _new(self, key: int, size: int, storage: torch.UntypedStorage) -> None:
+        self._sizes[key] = size
+        self._serial[key] = self._next_serial
+        self._next_serial += 1
+        for collected in self._collectors:
+            collected.add(self._serial[key])
+        self._change(key, size)
+        weakref.finalize(storage, self._forget, key)
+
     def _forget(self, key: int) -> None:
-        self.current -= self._sizes.pop(key, 0)
+        if key in self._sizes:
+            self._change(key, -self._sizes.pop(key))
+            del self._serial[key]
 
     def _register(self, t: torch.Tensor) -> None:
         t = _local(t)
@@ -58,12 +90,8 @@ class LiveTensorTracker(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # e.g. sparse or functional wrappers
             return
         key = storage._cdata
-        if key in self._sizes:
-            return
-        size = storage.nbytes()
-        self._sizes[key] = size
-        self.current += size
-        weakref.finalize(storage, self._forget, key)
+        if key not in self._sizes:
+            self._new(key, storage.nbytes(), storage)
 
     def _observe(self) -> None:
         if self.current > self.peak:
@@ -76,8 +104,43 @@ class LiveTensorTracker(TorchDispatchMode):
         self._observe()
 
     def reset_peak(self) -> None:
-        """Start a new peak from the memory live now."""
+        """Start a new peak from the memory live now (and, recording, a new log)."""
         self.peak = self.current
+        if self.record:
+            self._start = {self._serial[k]: n for k, n in self._sizes.items()}
+            self._log = []
+
+    def serials(self, tensors: Iterable[torch.Tensor]) -> set[int]:
+        """Serial numbers of the live, tracked storages holding ``tensors``."""
+        out = set()
+        for t in tensors:
+            key = _local(t).untyped_storage()._cdata
+            if key in self._serial:
+                out.add(self._serial[key])
+        return out
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[set[int]]:
+        """Yields a set that receives the serial of every storage first seen inside the block."""
+        collected: set[int] = set()
+        self._collectors.append(collected)
+        try:
+            yield collected
+        finally:
+            self._collectors.remove(collected)
+
+    def peak_excluding(self, excluded: set[int]) -> int:
+        """Peak since the last ``reset_peak`` with the ``excluded`` storages not counted at any
+        moment (needs ``record=True``)."""
+        if not self.record:
+            raise RuntimeError("peak_excluding needs LiveTensorTracker(record=True)")
+        current = sum(n for s, n in self._start.items() if s not in excluded)
+        peak = current
+        for serial, delta in self._log:
+            if serial not in excluded:
+                current += delta
+                peak = max(peak, current)
+        return peak
 
     # ------------------------------------------------------------------ hooks
     def __torch_dispatch__(
@@ -100,12 +163,11 @@ class LiveTensorTracker(TorchDispatchMode):
         result = self._original_resize(storage, size)
         key = storage._cdata
         if key in self._sizes:
-            self.current += storage.nbytes() - self._sizes[key]
+            delta = storage.nbytes() - self._sizes[key]
             self._sizes[key] = storage.nbytes()
+            self._change(key, delta)
         elif storage.nbytes() > 0:
-            self._sizes[key] = storage.nbytes()
-            self.current += storage.nbytes()
-            weakref.finalize(storage, self._forget, key)
+            self._new(key, storage.nbytes(), storage)
         self._observe()
         return result
 

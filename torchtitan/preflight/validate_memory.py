@@ -21,13 +21,15 @@ def _validate_offload(cfg: JobConfig, world_size: int) -> None:
     if not cfg.parallelism.fsdp_cpu_offload:
         return
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    if not dims.fsdp_enabled:
+    if dims.dp_replicate > 1 and dims.dp_shard * dims.cp == 1:
         raise ConfigError(
             "parallelism.fsdp_cpu_offload",
             True,
-            f"offload is FSDP2's CPUOffloadPolicy, and this layout ({dims}) does not shard with "
-            "FSDP (DDP and a single rank keep whole parameters on the device)",
-            "shard with FSDP (--parallelism.data_parallel_shard_degree > 1) or remove "
+            f"offload is FSDP2's CPUOffloadPolicy, and this layout ({dims}) replicates with DDP "
+            "(data_parallel_replicate_degree > 1, nothing sharded), whose whole parameters stay "
+            "on the device",
+            "shard instead (--parallelism.data_parallel_shard_degree "
+            f"{dims.dp_replicate} --parallelism.data_parallel_replicate_degree 1) or remove "
             "--parallelism.fsdp_cpu_offload",
         )
     if dims.ep > 1:
