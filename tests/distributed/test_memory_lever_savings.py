@@ -68,16 +68,7 @@ def _saving(model: str, lever: str, tmp_path: Path) -> tuple[float, float]:
         ("debugmodel", "chunked_loss_128"),
         pytest.param("cpu_vocab_heavy", "chunked_loss_128", marks=pytest.mark.slow),
         pytest.param("debugmodel", "bf16_moments", marks=pytest.mark.slow),
-        pytest.param(
-            "debugmodel",
-            "bf16_master_weights",
-            marks=[
-                pytest.mark.slow,
-                # docs/planning.md: CPU's composite RMSNorm saves fp32 copies the estimate
-                # counts in bf16 (+16.6%); strict, so the fix shows up as a failure to remove it.
-                pytest.mark.xfail(strict=True, reason="RMSNorm fp32 upcast on CPU not modelled"),
-            ],
-        ),
+        pytest.param("debugmodel", "bf16_master_weights", marks=pytest.mark.slow),
         pytest.param("debugmodel", "offload_1dev", marks=pytest.mark.slow),
         pytest.param("debugmodel", "offload_fsdp2", marks=pytest.mark.slow),
     ],

@@ -33,7 +33,7 @@ def _saved_bytes(flavor: str, tokens: int = 128) -> tuple[int, int]:
     torch.manual_seed(0)
     got = dense.saved_block_bytes(Transformer(args), args.dim, tokens // 64)
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
-    return got, _layer_activations(args, 0, tokens, 4, dims, "none")
+    return got, _layer_activations(args, 0, tokens, 4, dims, "none", "cpu")
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])

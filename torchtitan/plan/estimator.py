@@ -195,13 +195,32 @@ def block_activation_bytes(
     return int(tokens * ((norms + attention + ffn) * act_bytes + fp32_stats * 4))
 
 
+def norm_upcast_bytes(a: ModelArgs, tokens: int, act_bytes: int, tp: int, device_type: str) -> int:
+    """Extra bytes one saved RMSNorm costs on CPU with a low-precision input: torch's composite
+    (unfused) RMSNorm there saves its input and normalized input upcast to fp32, 4 bytes per
+    element more than the compute-dtype copies the formulas count (measured with
+    ``saved_tensors_hooks``; CUDA's fused kernel saves the input and the fp32 statistics only)."""
+    if device_type != "cpu" or act_bytes >= 4:
+        return 0
+    return int(tokens * a.dim / tp * 4)
+
+
 def _layer_activations(
-    a: ModelArgs, layer: int, tokens: int, act_bytes: int, dims: ParallelDims, mode: str
+    a: ModelArgs,
+    layer: int,
+    tokens: int,
+    act_bytes: int,
+    dims: ParallelDims,
+    mode: str,
+    device_type: str,
 ) -> int:
     """Saved bytes of block ``layer``: the dense formula, plus QK-norm's tensors and an MoE
-    feed-forward in place of the SwiGLU where the model has them (``moe_memory.py``)."""
+    feed-forward in place of the SwiGLU where the model has them (``moe_memory.py``), plus the
+    two norms' fp32 copies on CPU in low precision (recomputed under full and op-level AC)."""
+    upcast = 2 * norm_upcast_bytes(a, tokens, act_bytes, dims.tp, device_type)
     return (
         block_activation_bytes(a, tokens, act_bytes, dims.tp, dims.cp, mode)
+        + (upcast if mode == "none" else 0)
         + moe_terms.qk_norm_activation_bytes(a, tokens, act_bytes, dims.tp, mode)
         + moe_terms.moe_activation_delta(a, layer, tokens, act_bytes, dims.tp, mode, dims.ep)
     )
@@ -442,14 +461,19 @@ def _estimate_rank(
         parse_selective_option(ac.selective_ac_option) if ac.mode == "selective" else 0
     )
     modes = {i: _checkpointed(i, ac.mode, option) for i in layers}
-    per_block = {i: _layer_activations(a, i, mb_tokens, act, dims, modes[i]) for i in layers}
-    full_block = {i: _layer_activations(a, i, mb_tokens, act, dims, "none") for i in layers}
+    per_block = {
+        i: _layer_activations(a, i, mb_tokens, act, dims, modes[i], device_type) for i in layers
+    }
+    full_block = {
+        i: _layer_activations(a, i, mb_tokens, act, dims, "none", device_type) for i in layers
+    }
     vocab_local = a.vocab_size // tp
     head_saved = 0
     if has_head:
         # final norm (x, normed: sequence-sharded; output: gathered under TP) + fp32 log-softmax
         head_saved = (
             int(mb_tokens * (3 * a.dim / tp if tp == 1 else 2 * a.dim / tp + a.dim) * act)
+            + norm_upcast_bytes(a, mb_tokens, act, tp, device_type)
             + loss_working_set(mb_tokens, vocab_local, act, t.loss_chunk_size)[0]
         )
     emb_saved = mb_tokens * 8 if has_embedding else 0  # token ids
