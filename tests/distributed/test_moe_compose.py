@@ -15,19 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.test_qwen3_parity import _compare
+from tests.distributed.test_qwen3_parity import _compare, _ep
 
 MOE = "debugmodel_moe"
-
-
-def _ep(ep: int, local_batch: int, *extra: str) -> list[str]:
-    return [
-        "--parallelism.expert_parallel_degree",
-        str(ep),
-        "--training.local_batch_size",
-        str(local_batch),
-        *extra,
-    ]
 
 
 CP2 = ("--parallelism.context_parallel_degree", "2")
