@@ -26,7 +26,7 @@ def _saved_bytes(flavor: str, tokens: int = 128) -> tuple[int, int]:
     """(bytes autograd saves for one block, the estimator's formula)."""
     from torchtitan.models.common.moe import grouped_mm_supported
     from torchtitan.models.qwen3.model import Transformer
-    from torchtitan.plan.estimator import _layer_activations
+    from torchtitan.plan.memory_terms import layer_activations as _layer_activations
 
     grouped_mm_supported("cpu", torch.float32)
     args = dataclasses.replace(QWEN3_FLAVORS[flavor], n_layers=1, max_seq_len=64)

@@ -1,0 +1,286 @@
+"""The formulas of the memory estimate (docs/planning.md) and its result type: parameter shapes
+of a stage, the bytes autograd saves per block, the gradient working sets, the loss's working
+set and the bytes per element of each state. Pure arithmetic on a ``DecoderShape``; ``rank_memory.py`` combines them
+into one rank's step, ``estimator.py`` is the entry point."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.pipeline_plan import SCHEDULES, PipelinePlan
+from torchtitan.distributed.utils import resolve_dtype
+from torchtitan.models.spec import DecoderShape as ModelArgs
+from torchtitan.plan import moe_memory as moe_terms
+
+GIB = 1024**3
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes on one rank (the pipeline rank ``pp_rank`` that needs the most) at its peak moment."""
+
+    parameters: int
+    """Parameter shards as stored (fp32 or bf16 master weights; 0 under CPU offload), all of this rank's stages."""
+    gradients: int
+    """Gradients alive at the peak (sharded like the parameters; none before the first backward
+    produces them, all of them during the optimizer step)."""
+    optimizer_states: int
+    """AdamW/Adam: two moments (fp32 or bf16) per parameter element of the shard; 0 under CPU offload."""
+    activations: int
+    """Saved activations of every in-flight microbatch at the peak."""
+    unsharded_parameters: int
+    """Parameters all-gathered by FSDP (or cast by autocast) and alive at the peak."""
+    working_set: int
+    """Short-lived tensors of the peak moment: logits-sized loss gradients, a block's backward
+    gradients, gradients not yet reduce-scattered."""
+    pipeline_buffers: int
+    """Pipeline receive buffers for activations and gradients (one per microbatch)."""
+    temporaries: int
+    """Fixed allowance for kernel workspaces, communication buffers and fragmentation."""
+    phase: str
+    """The moment of the peak: 'loss backward', 'block backward (layer N)' or 'optimizer step'."""
+    pp_rank: int = 0
+    in_flight_microbatches: int = 1
+    per_microbatch_activations: int = 0
+    """Saved activations of one microbatch on this rank's stages (no AC recompute included)."""
+    notes: list[str] = field(default_factory=list)
+    host: int = 0
+    """Bytes kept in host memory instead (FSDP CPU offload: parameter and gradient shards and the
+    optimizer state); not part of ``total``."""
+
+    @property
+    def tensor_peak(self) -> int:
+        """Everything but the allowance: what a live-tensor tracker measures."""
+        return self.total - self.temporaries
+
+    @property
+    def total(self) -> int:
+        return (
+            self.parameters
+            + self.gradients
+            + self.optimizer_states
+            + self.activations
+            + self.unsharded_parameters
+            + self.working_set
+            + self.pipeline_buffers
+            + self.temporaries
+        )
+
+    def rows(self) -> list[tuple[str, int]]:
+        names = [f.name for f in dataclasses.fields(self)][:8]
+        return [(n.replace("_", " "), int(getattr(self, n))) for n in names] + [
+            ("total", self.total)
+        ]
+
+    def table(self) -> str:
+        """A small text table in GiB (MiB below 1 GiB)."""
+        lines = [f"{name:>22}: {format_bytes(n)}" for name, n in self.rows()]
+        lines.append(
+            f"{'peak':>22}: {self.phase} on pp rank {self.pp_rank} "
+            f"({self.in_flight_microbatches} microbatch(es) in flight)"
+        )
+        return "\n".join(lines)
+
+
+def format_bytes(n: float) -> str:
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / 1024**2:.1f} MiB"
+
+
+# ---------------------------------------------------------------------- model shapes
+@dataclass(frozen=True)
+class Shapes:
+    """Parameter tensors of a stage, as (dim0, dim1) after tensor parallel."""
+
+    block: tuple[tuple[int, int], ...]
+    block_linear: tuple[bool, ...]
+    embedding: tuple[int, int]
+    head: tuple[tuple[int, int], ...]
+
+
+def stage_shapes(a: ModelArgs, tp: int) -> Shapes:
+    d, hd, hid = a.dim, a.head_dim, a.hidden_dim
+    q, kv = a.n_heads * hd // tp, a.kv_heads * hd // tp
+    linears = [(q, d), (kv, d), (kv, d), (d, q), (hid // tp, d), (d, hid // tp), (hid // tp, d)]
+    block = tuple(linears + [(d, 1), (d, 1)])  # and the two RMSNorm weights (replicated)
+    return Shapes(
+        block=block,
+        block_linear=(True,) * 7 + (False, False),
+        embedding=(a.vocab_size // tp, d),
+        head=((d, 1), (a.vocab_size // tp, d)),
+    )
+
+
+def block_params(a: ModelArgs) -> int:
+    """Parameters of one block (the planner weighs compute and pipeline stages with it)."""
+    return total_elems(stage_shapes(a, 1).block)
+
+
+def shard_elems(shape: tuple[int, int], n: int) -> int:
+    """FSDP2 shards dim 0 over ``n`` ranks, padding it to a multiple of ``n``."""
+    return math.ceil(shape[0] / n) * shape[1]
+
+
+def total_elems(shapes: tuple[tuple[int, int], ...]) -> int:
+    return sum(a * b for a, b in shapes)
+
+
+# ---------------------------------------------------------------------- activations
+def block_activation_bytes(
+    a: ModelArgs, tokens: int, act_bytes: int, tp: int, cp: int, mode: str
+) -> int:
+    """Bytes autograd saves for one block over ``tokens`` local tokens (already / cp).
+
+    ``mode``: 'none' (everything), 'full' (the block input only) or 'op' (op-level SAC)."""
+    d, hid, heads = a.dim, a.hidden_dim, a.n_heads
+    kv_width = a.kv_heads * a.head_dim
+    seq_sharded = d / tp  # sequence-parallel tensors: [tokens / tp, d] per rank
+    gathered = float(d if tp > 1 else 0)  # all-gathered block inputs: [tokens, d]
+    if mode == "full":
+        return int(tokens * seq_sharded * act_bytes)
+    if mode == "op":
+        # block input, wq / wv / w1 outputs, attention output, w2 output (full sequence under
+        # TP: the partial sums before the reduce-scatter), reduce-scatter outputs (TP).
+        elems = seq_sharded + (d + kv_width + d + hid) / tp + d
+        if tp > 1:
+            elems += 2 * seq_sharded
+        return int(tokens * (elems * act_bytes + heads / tp * 4))
+    # none: x, normed x, h, normed h (sequence-sharded); the norm outputs (gathered under TP;
+    # without TP the norm output is a tensor of its own); q, k, v (k and v at full sequence
+    # under CP), attention output; four SwiGLU tensors.
+    norms = 4 * seq_sharded + (2 * gathered if tp > 1 else 2 * d)
+    # Under CP the attention output is a concatenation of two chunks, so the input of wo is a
+    # copy of its own (without CP it shares the attention output's storage).
+    attention = (d + 2 * d * cp + d + (d if cp > 1 else 0)) / tp
+    ffn = 4 * hid / tp
+    fp32_stats = 2 / (tp if tp > 1 else 1) + heads / tp
+    return int(tokens * ((norms + attention + ffn) * act_bytes + fp32_stats * 4))
+
+
+def norm_upcast_bytes(a: ModelArgs, tokens: int, act_bytes: int, tp: int, device_type: str) -> int:
+    """Extra bytes one saved RMSNorm costs on CPU with a low-precision input: torch's composite
+    (unfused) RMSNorm there saves its input and normalized input upcast to fp32, 4 bytes per
+    element more than the compute-dtype copies the formulas count (measured with
+    ``saved_tensors_hooks``; CUDA's fused kernel saves the input and the fp32 statistics only)."""
+    if device_type != "cpu" or act_bytes >= 4:
+        return 0
+    return int(tokens * a.dim / tp * 4)
+
+
+def layer_activations(
+    a: ModelArgs,
+    layer: int,
+    tokens: int,
+    act_bytes: int,
+    dims: ParallelDims,
+    mode: str,
+    device_type: str,
+) -> int:
+    """Saved bytes of block ``layer``: the dense formula, plus QK-norm's tensors and an MoE
+    feed-forward in place of the SwiGLU where the model has them (``moe_memory.py``), plus the
+    two norms' fp32 copies on CPU in low precision (recomputed under full and op-level AC)."""
+    upcast = 2 * norm_upcast_bytes(a, tokens, act_bytes, dims.tp, device_type)
+    return (
+        block_activation_bytes(a, tokens, act_bytes, dims.tp, dims.cp, mode)
+        + (upcast if mode == "none" else 0)
+        + moe_terms.qk_norm_activation_bytes(a, tokens, act_bytes, dims.tp, mode)
+        + moe_terms.moe_activation_delta(a, layer, tokens, act_bytes, dims.tp, mode, dims.ep)
+    )
+
+
+def block_backward_bytes(a: ModelArgs, tokens: int, act_bytes: int, tp: int) -> int:
+    """Gradient working set while one block runs backward: the incoming gradient and the
+    gradient of its input (at full sequence length under tensor parallel, where the sequence-
+    parallel all-gathers turn into reduce-scatters), and two SwiGLU-wide gradients."""
+    return int(tokens * (2 * a.dim + 2 * a.hidden_dim / tp) * act_bytes)
+
+
+def block_ids(units: list[str], blocks: str) -> list[int]:
+    return [int(u.rpartition(".")[2]) for u in units if u.startswith(f"{blocks}.")]
+
+
+def checkpoint_mode(layer: int, mode: str, option: int | str) -> str:
+    """AC treatment of a block: 'none', 'full' or 'op'."""
+    if mode == "full":
+        return "full"
+    if mode == "selective":
+        if option == "op":
+            return "op"
+        assert isinstance(option, int)
+        return "full" if (layer + 1) % option == 0 else "none"
+    return "none"
+
+
+def in_flight_microbatches(plan: PipelinePlan | None, pp_rank: int) -> int:
+    """Microbatch-stages whose activations a pipeline rank holds at its peak, per schedule."""
+    if plan is None:
+        return 1
+    p, n, v = plan.pp_degree, plan.n_microbatches, plan.stages_per_rank
+    name = plan.schedule
+    if name == "GPipe":
+        return n
+    if name == "LoopedBFS":
+        return n * v
+    if name == "1F1B":
+        return min(n, p - pp_rank)
+    if SCHEDULES[name].v_shaped:
+        return min(n * v, 2 * (p - pp_rank) + 1)
+    # Interleaved1F1B / InterleavedZeroBubble: torch's warm-up count, plus the first steady
+    # forward.
+    rounds = min(n, p)
+    warmup = (v - 1) * rounds + 2 * (p - 1 - pp_rank)
+    return min(n * v, warmup + 1)
+
+
+def optimizer_state_bytes_per_param(moments_dtype: str) -> int:
+    """Bytes of AdamW/Adam state per parameter element: two moments (docs/memory.md)."""
+    return 2 * (2 if moments_dtype == "bfloat16" else 4)
+
+
+def master_weight_bytes(cfg: JobConfig) -> int:
+    """Bytes per stored parameter element (and per gradient element): fp32 or bf16."""
+    return 2 if cfg.optimizer.master_weights_dtype == "bfloat16" else 4
+
+
+def param_dtype_bytes(cfg: JobConfig, device_type: str) -> int:
+    if cfg.optimizer.master_weights_dtype == "bfloat16":
+        return 2  # the trainer computes in bf16 with bf16 master weights
+    return resolve_dtype(cfg.training.mixed_precision_param, device_type).itemsize
+
+
+def loss_working_set(
+    tokens: int, vocab: int, act: int, chunk: int, dim: int = 0, grad_bytes: int = 4
+) -> tuple[int, int]:
+    """(saved per microbatch, working set at the loss backward) of the cross-entropy over
+    ``tokens`` local tokens and a ``vocab``-wide (local) vocabulary.
+
+    Whole logits: forward saves the fp32 log-softmax (``tokens x vocab``) and backward adds two
+    fp32 gradients of that size; the low-precision logits gradient comes after the log-softmax
+    and its incoming gradient are freed, so it is never live with them (measured). Chunked
+    (``chunk`` > 0, docs/memory.md): nothing vocabulary-wide is saved; backward recomputes one
+    chunk at a time (its ``C = min(chunk, tokens)`` rows), and the largest of two moments of a
+    chunk's backward counts, measured with ``LiveTensorTracker`` (docs/planning.md):
+
+    * the log-softmax backward: the chunk's recomputed log-softmax, its incoming gradient and the
+      logits gradient (three fp32 ``C x vocab``);
+    * the output projection's backward: the log-softmax output and the logits gradient, the
+      chunk's new weight gradient (``vocab x dim``) and its input gradient (``C x dim``).
+
+    From the second chunk on, both moments also hold the weight gradient summed over the earlier
+    chunks (``grad_bytes`` per element) and the whole ``tokens x dim`` input gradient the chunks'
+    slices accumulate into."""
+    rows = tokens if chunk <= 0 else min(chunk, tokens)
+    logits = rows * vocab * 4
+    ws = 2 * logits
+    if chunk <= 0:
+        return tokens * vocab * 4, ws
+    multi = tokens > chunk
+    summed = (vocab * dim * grad_bytes + tokens * dim * act) if multi else 0
+    softmax = ws + logits + summed
+    projection = ws + vocab * dim * grad_bytes + rows * dim * act + summed
+    return 0, max(softmax, projection)
