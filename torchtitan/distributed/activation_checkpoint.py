@@ -13,8 +13,9 @@ Three modes, all built on torch's non-reentrant ``torch.utils.checkpoint`` throu
 * ``selective`` with ``op``: every block is checkpointed with a per-op policy
   (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the outputs of expensive ops
   are saved (attention, tensor-parallel reduce-scatters, expert-parallel all-to-alls of the token
-  rows, float8 amax reductions, and every second matmul), everything else (norms, RoPE, SwiGLU, residual adds and the other matmuls) is
-  recomputed. Memory between none and full at a fraction of full's recompute.
+  rows, float8 amax reductions, and every second matmul), everything else (norms, RoPE, SwiGLU,
+  residual adds and the other matmuls) is recomputed. Memory between none and full at a
+  fraction of full's recompute.
 
 Recomputation replays the same kernels on the same inputs, so gradients are identical to
 training without AC (tests/unit/test_activation_checkpoint.py checks it bitwise on CPU).

@@ -119,9 +119,9 @@ def apply_compile(
 
     Apply after activation checkpointing (the recompute is then compiled too) and before
     FSDP/DDP (their hooks stay outside the compiled forward). ``fullgraph`` holds for every
-    block except those that declare graph breaks (``_may_break_graph``). ``wait_on``: the token embedding
-    under tensor parallel, whose async output must be waited on before a compiled block (see
-    ``_wait_embedding_hook``).
+    block except those that declare graph breaks (``_may_break_graph``). ``wait_on``: the token
+    embedding under tensor parallel, whose async output must be waited on before a compiled
+    block (see ``_wait_embedding_hook``).
     """
     for block in layers.values():
         # An instance attribute shadows the class's forward; nn.Module.__call__ runs the
