@@ -167,10 +167,10 @@ def total_grad_norm(
 def reduce_partial_grads(parameters: Iterable[nn.Parameter]) -> None:
     """Sum the DTensor gradients still pending a reduction (``Partial``: a sequence-parallel
     norm weight's, whose parameter is replicated over ``tp``) into plain replicated ones, in
-    place of ``p.grad``. The optimizer would reduce them inside its first op on them at every
-    step anyway; reducing once, before the norm and the clip, also keeps the clip correct on
-    torch 2.11, whose in-place multiply of a ``Partial`` DTensor by the clip coefficient leaves
-    wrong values (docs/architecture.md, section 10)."""
+    place of ``p.grad``, before the clip scales them: torch 2.11's in-place multiply of a
+    ``Partial`` DTensor by the clip coefficient leaves wrong values (docs/architecture.md,
+    section 10). The norm itself handles partial gradients, and the optimizer would reduce them
+    inside its first op on them anyway."""
     for p in parameters:
         g = p.grad
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
@@ -194,7 +194,6 @@ def clip_grad_norm_(
     ``max_norm <= 0`` only measures. Returns the total norm as a plain 0-dim tensor.
     """
     params = [p for p in parameters if p.grad is not None]
-    reduce_partial_grads(params)
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         total = total_grad_norm(grads, norm_type, foreach)
