@@ -214,6 +214,9 @@ class RankMemory:
             self.out_grad = total_elems(tuple(self.root_shapes)) * act
         elif self.has_head and not self.offload:  # the head's .grad, from the loss backward
             self.out_grad = total_elems(self.shapes.head) * self.mw
+        # The head's gradient during the blocks' and the embedding's backward, unless it is
+        # already in the carried gradients (PP x FSDP's steady state).
+        self.root_grad = 0 if self.pp_fsdp and self.steady else self.out_grad
 
     # ------------------------------------------------------------------ the moments
     def _loss_backward(self) -> _Moment:
@@ -252,12 +255,13 @@ class RankMemory:
             return self.emb_saved
         return self.activations_all - (self.per_mb - self.emb_saved) // max(self.stages, 1)
 
-    def _block_backwards(self) -> list[_Moment]:
-        """Each block's backward, last to first (the last in-flight microbatch)."""
+    def _block_backwards(self) -> tuple[list[_Moment], int]:
+        """Each block's backward, last to first (the last in-flight microbatch); also returns
+        the gradients the blocks left for the embedding's backward."""
         a, act, mw = self.a, self.act, self.mw
-        moments, done_grads = [], 0
+        moments: list[_Moment] = []
+        done_grads = 0
         below, blocks = self._below(), sorted(self.layers)
-        root_grad = 0 if self.pp_fsdp and self.steady else self.out_grad  # else carried
         unsharded = (
             self.unsharded_root + min(2, len(blocks)) * self.unsharded_block
             if self.fsdp and self.reshard
@@ -275,7 +279,7 @@ class RankMemory:
             ws = block_backward_bytes(a, self.mb_tokens, act, self.tp) + own
             experts = self._own_grads(size.experts_gathered, size.experts_stored)
             ws += moe_terms.moe_backward_delta(a, i, self.mb_tokens, act, self.tp, experts)
-            grads = max(self.carried_grads, done_grads) + root_grad
+            grads = max(self.carried_grads, done_grads) + self.root_grad
             live = below + lower + recompute
             moments.append(
                 _Moment(
@@ -287,18 +291,16 @@ class RankMemory:
                 done_grads += size.gathered * self.reduce_bytes
             elif not self.offload:
                 done_grads += size.stored * mw
-        self.done_grads = done_grads
-        return moments
+        return moments, done_grads
 
-    def _embedding_backward(self) -> list[_Moment]:
+    def _embedding_backward(self, done_grads: int) -> list[_Moment]:
         """The embedding's whole gradient (its vocabulary rows under TP), made next to every
-        gradient accumulated so far. Call after ``_block_backwards``."""
+        gradient accumulated so far (``done_grads``: the blocks')."""
         if not self.has_embedding:
             return []
         emb = self.shapes.embedding
         new = emb[0] * emb[1] * (self.act if (self.fsdp or self.act != self.mw) else self.mw)
-        root_grad = 0 if self.pp_fsdp and self.steady else self.out_grad
-        grads = max(self.carried_grads, self.done_grads) + root_grad
+        grads = max(self.carried_grads, done_grads) + self.root_grad
         unsharded = self.unsharded_root if self.fsdp and self.reshard else self.unsharded_fwd
         if not self.needs_copy:
             unsharded = 0
@@ -313,10 +315,11 @@ class RankMemory:
     def estimate(self) -> MemoryEstimate:
         """The moment with the most bytes, as a ``MemoryEstimate`` (temporaries 0)."""
         optimizer = _Moment(self.device_grads, "optimizer step", 0, 0, self.device_grads, 0)
+        blocks, done_grads = self._block_backwards()
         moments = [
             self._loss_backward(),
-            *self._block_backwards(),
-            *self._embedding_backward(),
+            *blocks,
+            *self._embedding_backward(done_grads),
             optimizer,
         ]
         peak = max(moments, key=lambda m: m.total)
