@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [
     "--job.config_file",
@@ -68,23 +70,24 @@ LEVERS = {
 }
 
 
-def register_flavors() -> None:
-    from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs
+# The CPU-sized flavors (also the estimator calibration test's ``cpu_large``).
+CPU_LARGE = ModelArgs(
+    dim=512,
+    n_layers=8,
+    n_heads=8,
+    n_kv_heads=2,
+    vocab_size=2048,
+    ffn_dim_multiplier=1.3,
+    multiple_of=256,
+    max_seq_len=2048,
+)
+# Narrow and shallow: the loss (vocabulary 2048 x 512 tokens) is the peak.
+CPU_VOCAB_HEAVY = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=2048, max_seq_len=2048)
 
-    LLAMA3_FLAVORS["cpu_large"] = ModelArgs(
-        dim=512,
-        n_layers=8,
-        n_heads=8,
-        n_kv_heads=2,
-        vocab_size=2048,
-        ffn_dim_multiplier=1.3,
-        multiple_of=256,
-        max_seq_len=2048,
-    )
-    # Narrow and shallow: the loss (vocabulary 2048 x 512 tokens) is the peak.
-    LLAMA3_FLAVORS["cpu_vocab_heavy"] = ModelArgs(
-        dim=64, n_layers=2, n_heads=4, vocab_size=2048, max_seq_len=2048
-    )
+
+def register_flavors() -> None:
+    LLAMA3_FLAVORS["cpu_large"] = CPU_LARGE
+    LLAMA3_FLAVORS["cpu_vocab_heavy"] = CPU_VOCAB_HEAVY
 
 
 def measure(argv: list[str], steps: int) -> dict:

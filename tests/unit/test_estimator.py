@@ -14,12 +14,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.distributed.test_memory_lever_savings import BENCH
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.pipeline_plan import plan_pipeline
-from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs
+from torchtitan.models.llama3.args import LLAMA3_FLAVORS
 from torchtitan.plan.estimator import (
     GIB,
     block_activation_bytes,
@@ -32,16 +33,7 @@ from torchtitan.preflight.validate import load_config
 TOLERANCE = 0.10
 # A CPU-sized flavor larger than the debug model, with grouped-query attention and an
 # ffn_dim_multiplier (registered only for these tests).
-CPU_LARGE = ModelArgs(
-    dim=512,
-    n_layers=8,
-    n_heads=8,
-    n_kv_heads=2,
-    vocab_size=2048,
-    ffn_dim_multiplier=1.3,
-    multiple_of=256,
-    max_seq_len=2048,
-)
+CPU_LARGE = BENCH.CPU_LARGE  # dim 512, 8 layers, GQA (benchmarks/memory_levers.py)
 BASE = [
     "--job.config_file",
     DEBUG_TOML,

@@ -114,9 +114,9 @@ def test_hsdp_cp_ep_layout() -> None:
 
 def _hsdp_cp_ep_layout() -> tuple[list[int], list[int], int]:
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
 
     from tests.unit.test_big_configs import ROOT, _build_rank
+    from tests.unit.test_qwen3_configs import count_expert_dtensors
     from torchtitan.config import parse_args
     from torchtitan.preflight.validate import validate_config
 
@@ -129,16 +129,9 @@ def _hsdp_cp_ep_layout() -> tuple[list[int], list[int], int]:
     validate_config(cfg, world_size=8)
     dims, parts, _ = _build_rank(cfg, 8, rank=5)
     assert dims.efsdp == 2
-    experts = 0
-    for raw, p in parts[0].named_parameters():
-        assert isinstance(p, DTensor)
-        names = p.device_mesh.mesh_dim_names
-        if ".experts.w" in raw:
-            experts += 1
-            assert names == ("ep_replicate", "efsdp", "ep"), (raw, names)
-            assert p.shape[0] == 8 and p.to_local().shape[0] == 2, (raw, p.to_local().shape)
-        else:
-            assert names == ("dp_replicate", "dp_shard_cp"), (raw, names)
+    experts = count_expert_dtensors(
+        parts[0], ("ep_replicate", "efsdp", "ep"), ("dp_replicate", "dp_shard_cp")
+    )
     groups = [dims.get_mesh(n).mesh.flatten().tolist() for n in ("ep", "efsdp")]
     dist.destroy_process_group()
     return groups[0], groups[1], experts

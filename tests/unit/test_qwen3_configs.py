@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from tests.unit.test_big_configs import _build_rank, _clean, _load, fake_rank  # noqa: F401
@@ -65,18 +66,28 @@ def _ep2_fsdp2_layout() -> int:
     cfg = parse_args(argv)
     validate_config(cfg, world_size=4)
     _, parts, _ = _build_rank(cfg, 4, rank=3)
+    experts = count_expert_dtensors(parts[0], ("efsdp", "ep"), ("dp_shard_cp",))
+    dist.destroy_process_group()
+    return experts  # w1 w2 w3 in 4 MoE blocks
+
+
+def count_expert_dtensors(
+    model: nn.Module, expert_mesh: tuple[str, ...], other_mesh: tuple[str, ...]
+) -> int:
+    """Every parameter of ``model`` (``debugmodel_moe`` under EP 2) is a DTensor: the routed
+    experts' on ``expert_mesh``, each rank holding 2 of the 8, the rest on ``other_mesh``.
+    Returns the number of expert weights."""
     experts = 0
-    for raw, p in parts[0].named_parameters():
+    for raw, p in model.named_parameters():
         assert isinstance(p, DTensor)
         names = p.device_mesh.mesh_dim_names
         if ".experts.w" in raw:
             experts += 1
-            assert names == ("efsdp", "ep"), (raw, names)
+            assert names == expert_mesh, (raw, names)
             assert p.shape[0] == 8 and p.to_local().shape[0] == 2, (raw, p.to_local().shape)
         else:
-            assert names == ("dp_shard_cp",), (raw, names)
-    dist.destroy_process_group()
-    return experts  # w1 w2 w3 in 4 MoE blocks
+            assert names == other_mesh, (raw, names)
+    return experts
 
 
 def test_explain_moe_lines() -> None:
