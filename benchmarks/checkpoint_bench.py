@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.checkpoint.manager import CheckpointManager
 from torchtitan.models.llama3.args import LLAMA3_FLAVORS
 from torchtitan.models.llama3.model import Transformer
 

@@ -38,15 +38,15 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from torchtitan.components.data_builder import DataOptions, build_data_loader  # noqa: E402
-from torchtitan.components.pretokenize import PretokenizeJob, pretokenize  # noqa: E402
-from torchtitan.components.token_shards import (  # noqa: E402
+from torchtitan.data.builder import DataOptions, build_data_loader  # noqa: E402
+from torchtitan.data.pretokenize import PretokenizeJob, pretokenize  # noqa: E402
+from torchtitan.data.token_shards import (  # noqa: E402
     FORMAT,
     MANIFEST,
     shard_files,
     tokenizer_identity,
 )
-from torchtitan.components.tokenizer import AnyTokenizer, build_tokenizer  # noqa: E402
+from torchtitan.data.tokenizer import AnyTokenizer, build_tokenizer  # noqa: E402
 
 TOKENIZER = str(ROOT / "tests" / "assets" / "tokenizer")
 

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from torchtitan.components.dataloader import build_dataloader
+    from torchtitan.data.dataloader import build_dataloader
     from torchtitan.distributed.activation_checkpoint import apply_ac
     from torchtitan.distributed.compile import apply_compile
     from torchtitan.distributed.utils import destroy_distributed
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         sharding=t.data_sharding,
     )
     data = iter(loader)
-    loss_fn = trainer.loss_fn  # the same (possibly compiled) loss function: a token sum
+    loss_fn = trainer.loss.loss_fn  # the same (possibly compiled) loss function: a token sum
 
     def minimal_steps(n: int) -> None:
         for _ in range(n):

@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from torchtitan.components.checkpoint_io import read_hf_folder, write_model_weights
+from torchtitan.checkpoint.storage import read_hf_folder, write_model_weights
 from torchtitan.models.llama3.state_dict_adapter import (
     Llama3StateDictAdapter,
     args_from_hf_config,

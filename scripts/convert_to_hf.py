@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.components.checkpoint_io import read_model_weights
+from torchtitan.checkpoint.storage import read_model_weights
 from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs
 from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan.components import checkpoint_io as io
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.checkpoint import storage as io
+from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS
 from torchtitan.models.common.kv_cache import KVCache

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torchtitan.components.pretokenize import PretokenizeJob, pretokenize  # noqa: E402
+from torchtitan.data.pretokenize import PretokenizeJob, pretokenize  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Train a byte-level BPE tokenizer and write it as a tiktoken ranks file.
 
 tiktoken can only *use* a BPE vocabulary (it has no trainer), so this script learns one. The
-result loads with ``torchtitan.components.tokenizer.build_tokenizer``.
+result loads with ``torchtitan.data.tokenizer.build_tokenizer``.
 
 How it works:
 
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import regex
 
-from torchtitan.components.tokenizer import SPLIT_PATTERN
+from torchtitan.data.tokenizer import SPLIT_PATTERN
 
 Pair = tuple[int, int]
 

@@ -42,7 +42,7 @@ def train_with_faults(
     """Run the trainer on this (forked) rank, optionally sending this process SIGTERM after a
     given step (one rank only: the ranks must agree by themselves) or SIGKILL-ing it after the
     checkpoint files of a step are written but before they are committed."""
-    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.checkpoint.manager import CheckpointManager
     from torchtitan.train import main
     from torchtitan.trainer import Trainer
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.components.pretokenize import PretokenizeJob, pretokenize
+from torchtitan.data.pretokenize import PretokenizeJob, pretokenize
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "tests" / "assets" / "test_corpus"

@@ -12,23 +12,23 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.components.chat_data import ChatDataset
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.checkpoint_safety import resume_settings
-from torchtitan.components.data_builder import DataOptions, build_data_loader
-from torchtitan.components.dataloader import ParallelAwareDataloader
-from torchtitan.components.loss import cross_entropy_sum
-from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.metrics_writers import MetricWriter, build_writers
-from torchtitan.components.tokenizer import AnyTokenizer
-from torchtitan.components.validation_loss import Validator
+from torchtitan.checkpoint.manager import CheckpointManager
+from torchtitan.checkpoint.safety import resume_settings
 from torchtitan.config.job_config import JobConfig
+from torchtitan.data.builder import DataOptions, build_data_loader
+from torchtitan.data.chat_data import ChatDataset
+from torchtitan.data.dataloader import ParallelAwareDataloader
+from torchtitan.data.tokenizer import AnyTokenizer
 from torchtitan.distributed.compile import compile_loss, set_compile_cache_dir
 from torchtitan.distributed.float8 import apply_float8
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import split_model
 from torchtitan.distributed.pipeline_plan import PipelinePlan
+from torchtitan.eval.validation_loss import Validator
+from torchtitan.loss.cross_entropy import cross_entropy_sum
+from torchtitan.metrics.processor import MetricsProcessor
+from torchtitan.metrics.writers import MetricWriter, build_writers
 from torchtitan.models.spec import ModelSpec, TrainableModel
 from torchtitan.tools.device_memory import DeviceMemoryMonitor
 from torchtitan.tools.logging import logger

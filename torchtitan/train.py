@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import sys
 
-from torchtitan.components.checkpoint_safety import CheckpointSafetyError
-from torchtitan.components.checkpoint_trust import UntrustedCheckpointError
-from torchtitan.components.spikes import TrainingAborted
+from torchtitan.checkpoint.safety import CheckpointSafetyError
+from torchtitan.checkpoint.trust import UntrustedCheckpointError
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import help_text
 from torchtitan.distributed.utils import destroy_distributed
+from torchtitan.guards.spikes import TrainingAborted
 from torchtitan.launch import report_stop
 from torchtitan.plan.explain import explain
 from torchtitan.preflight.validate import load_config, world_size_from_env

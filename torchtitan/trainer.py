@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,32 +27,33 @@ from torchtitan.builders import (
     build_validator,
     peak_flops,
 )
-from torchtitan.components.checkpoint import CheckpointManager
-from torchtitan.components.chunked_loss import build_chunked_loss
-from torchtitan.components.lr_scheduler import build_lr_scheduler
-from torchtitan.components.nonfinite import NonFiniteGuard
-from torchtitan.components.optimizer import build_optimizer
-from torchtitan.components.spikes import StepGuard
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.checkpoint.manager import CheckpointManager
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_toml
+from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.float8 import register_float8_precompute_hook
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
+from torchtitan.guards.nonfinite import NonFiniteGuard
+from torchtitan.guards.spikes import StepGuard
+from torchtitan.loss.chunked import build_chunked_loss
+from torchtitan.microbatch import MicrobatchRunner, ScaledLoss
 from torchtitan.models import MODELS, runtime_args
 from torchtitan.models.common.attention import resolve_attn_backend
 from torchtitan.models.common.moe import moe_overrides, set_aux_loss_scale
 from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
+from torchtitan.optim.lr_scheduler import build_lr_scheduler
+from torchtitan.optim.optimizer import build_optimizer
 from torchtitan.preflight.validate import pipeline_plan
 from torchtitan.tools.fault_injection import parse_faults
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.watchdog import Watchdog, configure_flight_recorder
-from torchtitan.train_step import StepMixin
+from torchtitan.train_step import TrainStep
 
 
-class Trainer(StepMixin):
+class Trainer:
     preempted_at: int | None = None  # the step after which a preemption signal stopped train()
 
     def __init__(self, cfg: JobConfig) -> None:
@@ -65,6 +65,7 @@ class Trainer(StepMixin):
         self._build_optimizer()  # optimizer and LR schedule
         self._build_observability()  # metrics, non-finite guard, validation, profiler
         self._build_checkpointer()  # resume from the newest valid checkpoint
+        self._build_step()  # one training step, given every collaborator it uses
         logger.info(
             f"{self.batch.describe()}; seq_len {cfg.training.seq_len}; "
             f"param dtype {self.param_dtype}"
@@ -121,9 +122,7 @@ class Trainer(StepMixin):
         )
         self.model_args = moe_overrides(self.model_args, cfg.model)  # model.moe_* (docs/moe.md)
         model = build_meta_model(cfg, self.spec, self.model_args, dims, self.device)
-        # Set by train_step before each step's forwards: a device scalar, no host sync.
-        self.loss_scale: torch.Tensor | float = 1.0
-        self.loss_fn = build_loss_fn(cfg, dims)
+        loss_fn = build_loss_fn(cfg, dims)
         self.param_dtype = dist_utils.resolve_dtype(
             cfg.training.mixed_precision_param, self.device.type
         )
@@ -145,15 +144,28 @@ class Trainer(StepMixin):
         )
         self.model = self.model_parts[0]
         if cfg.training.loss_chunk_size > 0:  # the model returns hidden states (docs/memory.md)
-            self.loss_fn = build_chunked_loss(
+            loss_fn = build_chunked_loss(
                 self.model_parts,
                 self.spec.parallel_plan(self.model_args).tensor_parallel.output,
                 cfg.training.loss_chunk_size,
                 gather_logits=dims.tp_enabled and cfg.parallelism.disable_loss_parallel,
                 reduction="sum",  # scaled by the step's loss_scale, like cross_entropy_sum
             )
+        # The step sets its global-token scale before its forwards (docs/sft.md).
+        self.loss = ScaledLoss(loss_fn)
         self.pipeline = self._build_pipeline()
         self.cp = self._build_context_parallel()
+        self.runner = MicrobatchRunner(
+            self.model_parts,
+            self.loss,
+            self.pipeline,
+            self.cp,
+            dims,
+            self.device,
+            self.param_dtype,
+            loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
+            document_positions=cfg.training.document_positions,
+        )
         # MoE: the auxiliary loss is seeded in the backward with the loss's scale (docs/moe.md).
         n_mb = self.pp_plan.n_microbatches if self.pp_plan is not None else 1
         set_aux_loss_scale(self.model_parts, 1.0 / (n_mb * self.grad_accum_steps))
@@ -168,7 +180,7 @@ class Trainer(StepMixin):
             pp_rank=dims.coordinates()["pp"],
             pp_group=dims.get_mesh("pp").get_group(),
             device=self.device,
-            loss_fn=self.pipeline_loss,
+            loss_fn=self.loss,
             get_mesh=lambda names: (
                 dims.get_mesh(names[0]) if len(names) == 1 else dims.world_mesh[names]
             ),
@@ -252,7 +264,7 @@ class Trainer(StepMixin):
                 self.model_parts,
                 self.device,
                 writers,
-                self.validation_loss,
+                self.runner.validation_loss,
             )
             if cfg.validation.enable
             else None
@@ -272,8 +284,6 @@ class Trainer(StepMixin):
             max_consecutive_skips=t.max_consecutive_skips,
             rank=self.rank,
         )
-        self.rollback_pending = False
-        self.microbatches_drawn = 0  # position in this rank's data stream, for spike reports
         self.watchdog = (
             Watchdog(
                 ft.watchdog_timeout_seconds,
@@ -287,7 +297,6 @@ class Trainer(StepMixin):
 
     def _build_checkpointer(self) -> None:
         self.step = 0
-        self.data_iter: Iterator | None = None
         self.checkpointer: CheckpointManager | None = None
         if not self.cfg.checkpoint.enable:
             return
@@ -303,7 +312,26 @@ class Trainer(StepMixin):
         resumed = self.checkpointer.load()
         if resumed is not None:
             self.step = resumed["step"]
-            self.microbatches_drawn = self.step * self.grad_accum_steps
+
+    def _build_step(self) -> None:
+        self.steps = TrainStep(
+            self.runner,
+            self.optimizer,
+            self.lr_scheduler,
+            self.dataloader,
+            self.metrics,
+            self.nonfinite,
+            self.step_guard,
+            self.faults,
+            self.checkpointer,
+            self.grad_accum_steps,
+            max_norm=self.cfg.training.max_norm,
+            microbatches_drawn=self.step * self.grad_accum_steps,
+        )
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step ``self.step``: its (loss, grad norm) as device scalars."""
+        return self.steps.run(self.step)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
@@ -323,8 +351,11 @@ class Trainer(StepMixin):
             self.faults.at_step_start(self.step)  # test-only (tools/fault_injection.py)
             lr = self.optimizer.param_groups[0]["lr"]
             loss, grad_norm = self.train_step()
-            if self.rollback_pending and self._rollback():
-                continue
+            if self.steps.rollback_pending:
+                resumed = self.steps.rollback(self.step)
+                if resumed is not None:
+                    self.step = resumed
+                    continue
             self.metrics.end_step(loss, grad_norm, self.device_tokens_per_step, step=self.step)
             if self.metrics.should_log(self.step):
                 self._phase("metrics log (cross-rank all-reduce)")

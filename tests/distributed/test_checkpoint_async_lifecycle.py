@@ -27,7 +27,7 @@ BACKGROUND = [2, 4, 6]
 
 def _train_counting_stagers(argv: list[str], dump: str) -> dict[str, Any]:
     """Train on this rank; also report how many stagers the background saves went through."""
-    from torchtitan.components.checkpoint import _StagerLifecycle
+    from torchtitan.checkpoint.manager import _StagerLifecycle
     from torchtitan.train import main
 
     seen: list[Any] = []  # the stagers themselves: kept alive, their ids cannot be reused

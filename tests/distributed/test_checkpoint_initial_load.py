@@ -11,7 +11,7 @@ import torch
 
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML, TINY
-from torchtitan.components.checkpoint_io import write_model_weights
+from torchtitan.checkpoint.storage import write_model_weights
 from torchtitan.models.llama3.args import LLAMA3_FLAVORS
 from torchtitan.models.llama3.model import Transformer
 

@@ -57,7 +57,7 @@ def _train_and_read_export(argv: list[str], dump: str) -> list[str]:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from torchtitan.components.checkpoint_io import read_model_weights
+    from torchtitan.checkpoint.storage import read_model_weights
     from torchtitan.preflight.validate import load_config
     from torchtitan.trainer import Trainer
 

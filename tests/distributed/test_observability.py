@@ -56,7 +56,7 @@ class _Slow:
 
 def _run(argv: list[str], dump: str, hooks: dict[str, Any]) -> dict[str, Any]:
     """Build the trainer (with test-only hooks), train, and return what rank r wrote and logged."""
-    from torchtitan.components.nonfinite import NonFiniteError
+    from torchtitan.guards.nonfinite import NonFiniteError
     from torchtitan.preflight.validate import load_config
     from torchtitan.tools.logging import logger
     from torchtitan.trainer import Trainer
@@ -74,7 +74,7 @@ def _run(argv: list[str], dump: str, hooks: dict[str, Any]) -> dict[str, Any]:
             if hooks.get("hog_mib") and rank == 1:
                 self.hog = torch.ones(hooks["hog_mib"] * 2**18)  # held for the whole run
             if hooks.get("straggle_s") and rank == 1:
-                self.data_iter = _Slow(iter(self.dataloader), hooks["straggle_s"])
+                self.steps.data_iter = _Slow(iter(self.dataloader), hooks["straggle_s"])
             if hooks.get("leak"):
                 # The bug being simulated: a hook that keeps every step's logits (4 MiB here).
                 def keep(module: Any, args: Any, output: torch.Tensor) -> None:
@@ -82,15 +82,20 @@ def _run(argv: list[str], dump: str, hooks: dict[str, Any]) -> dict[str, Any]:
                         kept.append(output.detach().clone())
 
                 self.model.output.register_forward_hook(keep)  # type: ignore[union-attr]
+            if hooks.get("nan"):
+                self.runner.forward_backward = self._nan_after(self.runner.forward_backward)
 
-        def forward_backward(self, inputs, labels, extra=None):  # type: ignore[no-untyped-def]
-            loss = super().forward_backward(inputs, labels, extra)
-            if hooks.get("nan") and self.step == NAN_STEP and rank == 1:
-                for name, p in self.model.named_parameters():
-                    if name == NAN_PARAM and p.grad is not None:
-                        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                        local.view(-1)[0] = float("nan")
-            return loss
+        def _nan_after(self, forward_backward):  # type: ignore[no-untyped-def]
+            def run(batch, loss_factor=1.0):  # type: ignore[no-untyped-def]
+                loss = forward_backward(batch, loss_factor)
+                if self.step == NAN_STEP and rank == 1:
+                    for name, p in self.model.named_parameters():
+                        if name == NAN_PARAM and p.grad is not None:
+                            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                            local.view(-1)[0] = float("nan")
+                return loss
+
+            return run
 
         def train_step(self):  # type: ignore[no-untyped-def]
             result = super().train_step()

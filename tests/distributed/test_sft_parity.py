@@ -14,9 +14,9 @@ from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, tr
 from tests.distributed.parity_cases import assert_grad_norms_match
 from tests.launcher import run_ranks
 from tests.parity import ROOT, assert_losses_match, losses, train_metrics
-from torchtitan.components.chat_data import ChatDataset
-from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.data.chat_data import ChatDataset
+from torchtitan.data.tokenizer import build_tokenizer
+from torchtitan.loss.cross_entropy import IGNORE_INDEX
 
 STEPS = 6
 SEQ = 128

@@ -68,7 +68,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _prompt() -> torch.Tensor:
-    from torchtitan.components.tokenizer import build_tokenizer
+    from torchtitan.data.tokenizer import build_tokenizer
 
     ids = build_tokenizer("tests/assets/tokenizer").encode(PROMPT, bos=True, eos=False)
     return torch.tensor([ids])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3 import Qwen3Args, Transformer
 from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter

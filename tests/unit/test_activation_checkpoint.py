@@ -9,8 +9,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan.components.loss import cross_entropy_loss
 from torchtitan.distributed.activation_checkpoint import apply_ac, parse_selective_option
+from torchtitan.loss.cross_entropy import cross_entropy_loss
 from torchtitan.models.llama3 import LLAMA3_FLAVORS, Transformer
 
 ARGS = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], n_layers=4, max_seq_len=32)

@@ -18,20 +18,30 @@ PKG = ROOT / "torchtitan"
 
 # package -> the torchtitan packages it may import (besides itself). Entry points
 # (``__main__`` modules, train, log_ranks) and the trainer sit on top and may import anything.
+BASE = {"config", "tools", "distributed"}
 ALLOWED = {
     "tools": set(),
     "config": {"tools"},
     "distributed": {"config", "tools"},
-    "components": {"config", "tools", "distributed"},
-    "models": {"config", "tools", "distributed"},
-    "preflight": {"config", "tools", "distributed", "components", "models"},
-    "plan": {"config", "tools", "distributed", "components", "models", "preflight"},
+    "models": BASE,
+    "loss": BASE,
+    "optim": BASE,
+    "metrics": BASE,
+    "guards": BASE,
+    "data": BASE | {"loss"},
+    "checkpoint": BASE | {"guards"},
+    "eval": BASE | {"data", "metrics", "loss"},
+    "preflight": BASE
+    | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval"},
+    "plan": BASE
+    | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "preflight"},
 }
 TOP = {
     "torchtitan.train",
     "torchtitan.trainer",
     "torchtitan.builders",
     "torchtitan.train_step",
+    "torchtitan.microbatch",
     "torchtitan.log_ranks",
     "torchtitan.launch",
 }

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.dataloader import document_ids
+from torchtitan.data.dataloader import document_ids
 from torchtitan.models.common.attention import (
     AttentionCore,
     AttentionMask,

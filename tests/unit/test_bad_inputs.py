@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from tests.unit.bad_inputs import CASES, argv_of, make_bad_files
-from torchtitan.components.data_checks import DataError
-from torchtitan.components.dataloader import build_dataloader
-from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config.errors import ConfigError
+from torchtitan.data.checks import DataError
+from torchtitan.data.dataloader import build_dataloader
+from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.preflight.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.metrics.processor import MetricsProcessor
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ, BATCH = 64, 2

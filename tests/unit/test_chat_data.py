@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.components.chat_data import ChatDataset, tokenized_conversations
-from torchtitan.components.chat_template import read_conversations, tokenize_conversation
-from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.tokenizer import Tokenizer, build_tokenizer
 from torchtitan.config.errors import ConfigError
+from torchtitan.data.chat_data import ChatDataset, tokenized_conversations
+from torchtitan.data.chat_template import read_conversations, tokenize_conversation
+from torchtitan.data.tokenizer import Tokenizer, build_tokenizer
+from torchtitan.loss.cross_entropy import IGNORE_INDEX
 from torchtitan.preflight.validate import load_config
 
 ROOT = Path(__file__).resolve().parents[2]

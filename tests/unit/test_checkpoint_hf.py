@@ -11,7 +11,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from torchtitan.components.checkpoint_io import (
+from torchtitan.checkpoint.storage import (
     read_hf_folder,
     read_model_weights,
     write_model_weights,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.components import checkpoint_io as io
+from torchtitan.checkpoint import storage as io
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.preflight.validate import validate_config

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.components import checkpoint_io as io
-from torchtitan.components import checkpoint_safety as safety
-from torchtitan.components.checkpoint_trust import (
+from torchtitan.checkpoint import safety
+from torchtitan.checkpoint import storage as io
+from torchtitan.checkpoint.trust import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     UntrustedCheckpointError,

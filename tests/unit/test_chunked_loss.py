@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.components.chunked_loss import chunked_cross_entropy
 from torchtitan.distributed.output_head import DeferredLinear, defer_output
+from torchtitan.loss.chunked import chunked_cross_entropy
 from torchtitan.plan.tracker import LiveTensorTracker
 
 
@@ -116,7 +116,7 @@ def test_preflight_refuses(argv: list[str], field: str) -> None:
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_build_chunked_loss_reads_the_deferred_weight(reduction: str) -> None:
-    from torchtitan.components.chunked_loss import build_chunked_loss
+    from torchtitan.loss.chunked import build_chunked_loss
 
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 50, bias=False))
     hidden, _, labels = _inputs(20, 8, 50)

@@ -13,13 +13,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from torchtitan.components.dataloader import (  # noqa: E402
+from torchtitan.data.dataloader import (  # noqa: E402
     PackedTokenDataset,
     ParallelAwareDataloader,
     build_dataloader,
-    load_text_dataset,
 )
-from torchtitan.components.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
+from torchtitan.data.sources import load_text_dataset  # noqa: E402
+from torchtitan.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 

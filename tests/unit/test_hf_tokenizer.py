@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.components.hf_tokenizer import HFTokenizer
-from torchtitan.components.tokenizer import Tokenizer, build_tokenizer
+from torchtitan.data.hf_tokenizer import HFTokenizer
+from torchtitan.data.tokenizer import Tokenizer, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 ASSET = ROOT / "tests" / "assets" / "hf_tokenizer"

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from torchtitan.components.low_precision_adamw import LowPrecisionAdamW, stochastic_round_to_bf16
+from torchtitan.optim.low_precision_adamw import LowPrecisionAdamW, stochastic_round_to_bf16
 
 KW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.components.metrics_writers import (
+from torchtitan.metrics.writers import (
     JsonlWriter,
     MetricWriter,
     TensorBoardWriter,
@@ -112,7 +112,7 @@ def _wandb_history(run_file: Path) -> list[dict[str, object]]:
 
 
 def test_wandb_mode_defaults_offline(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchtitan.components.metrics_writers import _wandb_mode
+    from torchtitan.metrics.writers import _wandb_mode
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.tokenized_helpers import CORPUS, TOKENIZER, make_corpus, split_jsonl
-from torchtitan.components.data_builder import DataOptions, build_data_loader
-from torchtitan.components.mixture import SourceRunOut
-from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config.job_config import MixtureSource
+from torchtitan.data.builder import DataOptions, build_data_loader
+from torchtitan.data.mixture import SourceRunOut
+from torchtitan.data.tokenizer import build_tokenizer
 
 SEQ = 16
 

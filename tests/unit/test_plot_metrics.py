@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-from torchtitan.components.metrics_writers import JsonlWriter, TensorBoardWriter
+from torchtitan.metrics.writers import JsonlWriter, TensorBoardWriter
 
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"

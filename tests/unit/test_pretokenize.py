@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 
 from tests.tokenized_helpers import CORPUS, TOKENIZER, cached_corpus, make_corpus, split_jsonl
-from torchtitan.components.dataloader import load_text_dataset
-from torchtitan.components.pretokenize import verify_shard
-from torchtitan.components.token_shards import (
+from torchtitan.data.pretokenize import verify_shard
+from torchtitan.data.sources import load_text_dataset
+from torchtitan.data.token_shards import (
     MANIFEST,
     TokenCorpus,
     check_manifest,
     shard_files,
     token_dtype,
 )
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.data.tokenizer import build_tokenizer
 
 
 def _text_stream(dataset: str, dataset_path: str | None, split: str) -> list[int]:

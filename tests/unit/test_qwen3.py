@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan.components.checkpoint_io import read_hf_folder
+from torchtitan.checkpoint.storage import read_hf_folder
 from torchtitan.models import MODELS
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, Transformer

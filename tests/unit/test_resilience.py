@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchtitan.components.spikes import SpikeDetector, StepGuard, TrainingAborted
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.guards.spikes import SpikeDetector, StepGuard, TrainingAborted
 from torchtitan.preflight.validate_resilience import validate_resilience
 from torchtitan.tools.fault_injection import parse_faults
 from torchtitan.tools.stragglers import StragglerFlag

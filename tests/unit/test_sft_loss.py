@@ -7,15 +7,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from torchtitan.components.chat_data import ChatDataset
-from torchtitan.components.loss import (
+from torchtitan.data.chat_data import ChatDataset
+from torchtitan.data.tokenizer import build_tokenizer
+from torchtitan.loss.cross_entropy import (
     IGNORE_INDEX,
     cross_entropy_loss,
     cross_entropy_sum,
     global_loss_scale,
     unmasked_tokens,
 )
-from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.models.llama3.args import ModelArgs
 from torchtitan.models.llama3.model import Transformer
 

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from tests.tokenized_helpers import TOKENIZER, cached_corpus
-from torchtitan.components.data_builder import build_data_loader
-from torchtitan.components.dataloader import build_dataloader
-from torchtitan.components.token_shards import TokenCorpus
-from torchtitan.components.tokenized_dataset import (
+from torchtitan.data.builder import build_data_loader
+from torchtitan.data.dataloader import build_dataloader
+from torchtitan.data.token_shards import TokenCorpus
+from torchtitan.data.tokenized_dataset import (
     TokenizedDataset,
     WindowOrder,
     feistel_permute,
 )
-from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.data.tokenizer import build_tokenizer
 
 SEQ = 64
 
@@ -35,7 +35,7 @@ def corpus(folder: Path) -> TokenCorpus:
 
 
 def _loader(folder: Path, dp_rank: int, dp: int, batch: int, **kw: object):  # noqa: ANN202
-    from torchtitan.components.data_builder import DataOptions
+    from torchtitan.data.builder import DataOptions
 
     return build_data_loader(
         "tokenized",

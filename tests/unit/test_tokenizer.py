@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.components.tokenizer import (
+from torchtitan.data.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     Tokenizer,

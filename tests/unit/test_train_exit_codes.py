@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 import torchtitan.train as train_entry
-from torchtitan.components.checkpoint_safety import CheckpointSafetyError
-from torchtitan.components.checkpoint_trust import UntrustedCheckpointError
-from torchtitan.components.spikes import TrainingAborted
+from torchtitan.checkpoint.safety import CheckpointSafetyError
+from torchtitan.checkpoint.trust import UntrustedCheckpointError
+from torchtitan.guards.spikes import TrainingAborted
 
 ARGS = ["--job.config_file", "train_configs/debug_model.toml"]
 

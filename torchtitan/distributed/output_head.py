@@ -4,7 +4,7 @@ With ``training.loss_chunk_size`` > 0 the model's output projection (the module 
 plan names as ``TensorParallelPlan.output``, a bias-free ``nn.Linear``) keeps its weight, and so
 its parameter name, FSDP unit, TP sharding and checkpoint entry, but its forward returns its
 input: the model then returns the final-normed hidden states ``[B, S, dim]`` and the loss
-(``components/chunked_loss.py``) multiplies them by the weight a chunk of tokens at a time, so
+(``loss/chunked.py``) multiplies them by the weight a chunk of tokens at a time, so
 the full ``[tokens, vocab]`` logits never exist.
 """
 

@@ -33,8 +33,8 @@ the measured errors.
 
 from __future__ import annotations
 
-from torchtitan.components.tokenizer import build_tokenizer
 from torchtitan.config.job_config import JobConfig
+from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models import MODELS, runtime_args
 from torchtitan.models.spec import DecoderShape as ModelArgs

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchtitan.components.chat_data import tokenized_conversations
-from torchtitan.components.chat_template import read_conversations, resolve_chat_template
-from torchtitan.components.tokenizer import build_tokenizer, resolve_repo_path
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, Sft
+from torchtitan.data.chat_data import tokenized_conversations
+from torchtitan.data.chat_template import read_conversations, resolve_chat_template
+from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.tools.logging import logger
+from torchtitan.tools.paths import resolve_repo_path
 
 _FORMAT = (
     'a JSONL file with one {"messages": [{"role": "system"|"user"|"assistant", "content": '

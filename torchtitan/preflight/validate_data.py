@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from torchtitan.components.data_builder import is_token_corpus, source_label
-from torchtitan.components.token_shards import check_manifest, read_manifest
-from torchtitan.components.tokenizer import AnyTokenizer, build_tokenizer, resolve_repo_path
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.data.builder import is_token_corpus, source_label
+from torchtitan.data.token_shards import check_manifest, read_manifest
+from torchtitan.data.tokenizer import AnyTokenizer, build_tokenizer
+from torchtitan.tools.paths import resolve_repo_path
 
 __all__ = ["validate_data"]
 

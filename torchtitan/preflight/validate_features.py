@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchtitan.components.checkpoint import COMPONENTS
-from torchtitan.components.checkpoint_io import complete_steps
+from torchtitan.checkpoint.manager import COMPONENTS
+from torchtitan.checkpoint.storage import complete_steps
 from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import parse_selective_option

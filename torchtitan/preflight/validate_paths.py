@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from torchtitan.components.checkpoint_io import complete_steps
-from torchtitan.components.data_builder import DATASET_KINDS
-from torchtitan.components.data_checks import check_files
-from torchtitan.components.dataloader import local_source
-from torchtitan.components.tokenizer import _TRAIN_HINT, build_tokenizer
+from torchtitan.checkpoint.storage import complete_steps
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.data.builder import DATASET_KINDS
+from torchtitan.data.checks import check_files
+from torchtitan.data.sources import local_source
+from torchtitan.data.tokenizer import _TRAIN_HINT, build_tokenizer
 
 
 def validate_paths(cfg: JobConfig) -> None:

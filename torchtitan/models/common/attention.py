@@ -12,7 +12,7 @@ feeds every kernel:
   document ids (``AttentionMask.dense``), so it masks by position and document.
 
 Document ids count the documents of a packed window: ``doc_ids[b, i]`` is the number of EOS
-tokens among ``inputs[b, :i]`` (the data loader makes them, ``components/dataloader.py``).
+tokens among ``inputs[b, :i]`` (the data loader makes them, ``data/dataloader.py``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ Two model-only kinds hold just ``model`` (the manifest says which): the ``seed``
 step 0 (:meth:`CheckpointManager.save_seed`, one process) and the ``export`` of the last step
 (``last_save_model_only``, weights cast to ``export_dtype``), which resume skips.
 
-Writing and checking the folder is :mod:`torchtitan.components.checkpoint_io` (temporary name,
+Writing and checking the folder is :mod:`torchtitan.checkpoint.storage` (temporary name,
 manifest with sizes and SHA-256, one rename when all ranks are done). All coordination runs on
 a gloo group of its own; an asynchronous save gets a second one, used only by its thread,
 because collectives issued concurrently from two threads on one group can pair up in different
@@ -30,7 +30,6 @@ orders on different ranks (docs/architecture.md, section 9).
 from __future__ import annotations
 
 import pickle
-import random
 import shutil
 import signal
 import time
@@ -46,91 +45,34 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from torchtitan.components import checkpoint_io as io
-from torchtitan.components import checkpoint_safety as safety
-from torchtitan.components.checkpoint_trust import (
+from torchtitan.checkpoint import safety
+from torchtitan.checkpoint import storage as io
+from torchtitan.checkpoint.state import (
+    load_model_state_dict,
+    load_optimizer_state_dict,
+    model_state_dict,
+    optimizer_state_dict,
+    rng_state,
+    set_rng_state,
+)
+from torchtitan.checkpoint.trust import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     UntrustedCheckpointError,
     decode_state,
     encode_state,
 )
-from torchtitan.components.spikes import TrainingAborted, weights_finite
-from torchtitan.distributed.utils import device_type
+from torchtitan.guards.spikes import TrainingAborted, weights_finite
 from torchtitan.tools.logging import logger
 from torchtitan.tools.torch_compat import DEFAULT_STAGER_SINGLE_USE
 
 AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 COMPONENTS = frozenset({"model", "optimizer", "lr_scheduler", "train_state", "dataloader", "rng"})
-
-
-# ---------------------------------------------------------------- model and optimizer state
-def model_state_dict(parts: list[nn.Module]) -> dict[str, Any]:
-    """Parameters and buffers of all model parts, keyed by their names in the full model
-    (pipeline stages keep the full model's names, so the parts never collide)."""
-    sd: dict[str, Any] = {}
-    for part in parts:
-        sd.update(get_model_state_dict(part))
-    return sd
-
-
-def load_model_state_dict(parts: list[nn.Module], sd: dict[str, Any]) -> None:
-    for part in parts:
-        set_model_state_dict(part, sd, options=StateDictOptions(strict=False))
-
-
-def _strip_part_index(name: str) -> str:
-    return name.split(".", 1)[1]
-
-
-def optimizer_state_dict(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer state keyed by full-model parameter names.
-
-    torch's helper maps parameters to names through one module; one optimizer spans all parts
-    here, so the parts go in an ``nn.ModuleList`` and its ``<index>.`` prefix is removed (the
-    index of a stage on this rank is not a property of the model, and changes with the
-    pipeline layout)."""
-    osd: dict[str, Any] = get_optimizer_state_dict(nn.ModuleList(parts), optimizer)  # type: ignore[assignment]
-    return {
-        "state": {_strip_part_index(k): v for k, v in osd["state"].items()},
-        "param_groups": [
-            {**g, "params": [_strip_part_index(k) for k in g["params"]]}
-            for g in osd["param_groups"]
-        ],
-    }
-
-
-def load_optimizer_state_dict(
-    parts: list[nn.Module], optimizer: torch.optim.Optimizer, osd: dict
-) -> None:
-    prefixed = {
-        name: f"{i}.{name}" for i, part in enumerate(parts) for name, _ in part.named_parameters()
-    }
-    full = {
-        "state": {prefixed[k]: v for k, v in osd["state"].items()},
-        "param_groups": [
-            {**g, "params": [prefixed[k] for k in g["params"]]} for g in osd["param_groups"]
-        ],
-    }
-    set_optimizer_state_dict(nn.ModuleList(parts), optimizer, full)  # type: ignore[arg-type]
-
-
-# ---------------------------------------------------------------- RNG
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    # Raw bytes, not a pickled tensor: a tensor's pickle holds its storage address, so equal
-    # states would give different checkpoint bytes.
-    return t.cpu().numpy().tobytes()
-
-
-def _bytes_tensor(b: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
 
 
 class _StagerLifecycle:
@@ -156,25 +98,6 @@ class _StagerLifecycle:
         if self._stager is not None:
             self._stager.close()  # idempotent: torch may have closed it already
             self._stager = None
-
-
-def rng_state() -> torch.Tensor:
-    """This rank's RNG states: torch CPU (and CUDA) generators and Python's ``random``."""
-    state: dict[str, Any] = {
-        "torch": _tensor_bytes(torch.get_rng_state()),
-        "python": random.getstate(),
-    }
-    if device_type() == "cuda":
-        state["cuda"] = [_tensor_bytes(t) for t in torch.cuda.get_rng_state_all()]
-    return encode_state(state)
-
-
-def set_rng_state(blob: torch.Tensor) -> None:
-    state = decode_state(blob)
-    torch.set_rng_state(_bytes_tensor(state["torch"]))
-    random.setstate(state["python"])
-    if "cuda" in state and device_type() == "cuda":
-        torch.cuda.set_rng_state_all([_bytes_tensor(b) for b in state["cuda"]])
 
 
 class CheckpointManager:

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.components.metrics_writers import MetricWriter
 from torchtitan.distributed.utils import all_reduce_
+from torchtitan.metrics.writers import MetricWriter
 from torchtitan.tools.cross_rank import reduce_extremes
 from torchtitan.tools.device_memory import DeviceMemoryMonitor
 from torchtitan.tools.logging import logger

@@ -239,7 +239,7 @@ def read_model_weights(folder: Path) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from torchtitan.components.checkpoint_trust import SafeFileSystemReader, SafeLoadPlanner
+    from torchtitan.checkpoint.trust import SafeFileSystemReader, SafeLoadPlanner
 
     metadata = SafeFileSystemReader(str(folder)).read_metadata()
     model: dict = {}

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.components.data_checks import DataError
-from torchtitan.components.metrics_writers import MetricWriter
+from torchtitan.data.checks import DataError
 from torchtitan.distributed.utils import all_reduce_
+from torchtitan.metrics.writers import MetricWriter
 from torchtitan.tools.logging import logger
 
 __all__ = ["LossFn", "Validator"]

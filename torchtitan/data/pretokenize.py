@@ -3,7 +3,7 @@
 The input is anything ``training.dataset`` / ``dataset_path`` accepts (a registered name, local
 JSONL/parquet/text files, a hub dataset); its streaming files are split among worker processes,
 one output shard per input file, so the corpus keeps the text path's document order and token
-stream exactly (:mod:`torchtitan.components.token_shards` has the format). A shard is written to
+stream exactly (:mod:`torchtitan.data.token_shards` has the format). A shard is written to
 temporary names, renamed, and then marked done: a killed run started again redoes only the
 shards without a valid marker. At the end every shard is verified against its marker (size,
 SHA-256, document index, BOS/EOS at every boundary, ids below the vocabulary) and the manifest
@@ -24,15 +24,15 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan.components.dataloader import load_text_dataset
-from torchtitan.components.token_shards import (
+from torchtitan.data.sources import load_text_dataset
+from torchtitan.data.token_shards import (
     FORMAT,
     MANIFEST,
     shard_files,
     token_dtype,
     tokenizer_identity,
 )
-from torchtitan.components.tokenizer import AnyTokenizer, build_tokenizer
+from torchtitan.data.tokenizer import AnyTokenizer, build_tokenizer
 
 __all__ = ["PretokenizeJob", "pretokenize", "verify_shard"]
 

@@ -33,14 +33,14 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful
 
-from torchtitan.components.chat_template import (
+from torchtitan.data.chat_template import (
     ChatTokenizer,
     read_conversations,
     resolve_chat_template,
     tokenize_conversation,
 )
-from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.tokenizer import resolve_repo_path
+from torchtitan.loss.cross_entropy import IGNORE_INDEX
+from torchtitan.tools.paths import resolve_repo_path
 
 __all__ = ["ChatDataset", "Packing", "Overlong", "tokenized_conversations"]
 

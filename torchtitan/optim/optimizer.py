@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from torchtitan.components.low_precision_adamw import LowPrecisionAdamW
+from torchtitan.optim.low_precision_adamw import LowPrecisionAdamW
 from torchtitan.tools.logging import logger
 
 

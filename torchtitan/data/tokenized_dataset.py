@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful
 
-from torchtitan.components.token_shards import TokenCorpus
+from torchtitan.data.token_shards import TokenCorpus
 
 __all__ = ["Shuffle", "TokenizedDataset", "WindowOrder", "feistel_permute"]
 

@@ -88,7 +88,7 @@ class NonFiniteGuard:
         """True when the step may go to the optimizer; raises or counts a skip otherwise."""
         values = torch.stack([_local(loss).detach().float(), _local(grad_norm).detach().float()])
         loss_v, norm_v = values.tolist()  # the one host sync per step
-        self.last_loss = loss_v  # for the spike detector (components/spikes.py)
+        self.last_loss = loss_v  # for the spike detector (guards/spikes.py)
         if torch.isfinite(values).all():
             return True
         where = self._locate(model_parts, grads_bad=norm_v != norm_v or abs(norm_v) == float("inf"))

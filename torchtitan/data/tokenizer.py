@@ -22,7 +22,8 @@ from typing import Protocol
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from torchtitan.components.hf_tokenizer import HF_TOKENIZER_FILENAME, HFTokenizer
+from torchtitan.data.hf_tokenizer import HF_TOKENIZER_FILENAME, HFTokenizer
+from torchtitan.tools.paths import resolve_repo_path
 
 __all__ = [
     "BOS_TOKEN",
@@ -33,7 +34,6 @@ __all__ = [
     "TextTokenizer",
     "Tokenizer",
     "build_tokenizer",
-    "resolve_repo_path",
 ]
 
 # Pre-tokenization split in the style of GPT-4's tokenizer: English contractions, runs of letters
@@ -79,18 +79,6 @@ class TextTokenizer(Protocol):
     ) -> list[list[int]]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
-
-
-def resolve_repo_path(path: str | Path) -> Path:
-    """``path`` as given if it exists (absolute, or relative to the working directory);
-    otherwise, for a relative path, the same path under the repository root (the parent of the
-    ``torchtitan`` package), so defaults like ``tests/assets/...`` work from any directory.
-    Returns the original path when neither exists, so callers can report it."""
-    p = Path(path).expanduser()
-    if p.exists() or p.is_absolute():
-        return p
-    in_repo = Path(__file__).resolve().parents[2] / p
-    return in_repo if in_repo.exists() else p
 
 
 class Tokenizer:
@@ -180,7 +168,7 @@ class Tokenizer:
 def build_tokenizer(path: str | Path | None) -> Tokenizer | HFTokenizer:
     """Tokenizer from ``path``: a ranks file, or a directory holding ``tokenizer.model``; a
     Hugging Face ``tokenizer.json`` (or a directory holding one and no ``tokenizer.model``)
-    gives an :class:`HFTokenizer` (``components/hf_tokenizer.py``).
+    gives an :class:`HFTokenizer` (``data/hf_tokenizer.py``).
 
     A relative path that does not exist from the working directory is looked up under the
     repository root. Raises ``FileNotFoundError`` (missing) or ``ValueError`` (empty path or not

@@ -1,7 +1,7 @@
 """Hugging Face ``tokenizer.json`` tokenizers (Qwen3 and most hub models), through the
 ``tokenizers`` library.
 
-``build_tokenizer`` (``components/tokenizer.py``) picks this class when it finds a
+``build_tokenizer`` (``data/tokenizer.py``) picks this class when it finds a
 ``tokenizer.json`` (the file itself, or a directory holding one and no ``tokenizer.model``).
 The interface is the tiktoken ``Tokenizer``'s: ``vocab_size``, ``bos_id``, ``eos_id``,
 ``encode(text, bos, eos)``, ``encode_batch``, ``decode``.

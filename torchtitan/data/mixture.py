@@ -29,8 +29,8 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful
 
-from torchtitan.components.dataloader import PackedTokenDataset, document_ids
-from torchtitan.components.tokenized_dataset import WindowOrder
+from torchtitan.data.dataloader import PackedTokenDataset, document_ids
+from torchtitan.data.tokenized_dataset import WindowOrder
 
 __all__ = ["MixtureDataset", "SourceRunOut", "TextSource", "TokenizedSource"]
 

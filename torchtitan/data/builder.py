@@ -11,17 +11,18 @@ from typing import Literal
 
 from torch.utils.data import IterableDataset
 
-from torchtitan.components.dataloader import (
+from torchtitan.config.job_config import MixtureSource
+from torchtitan.data.dataloader import (
     PackedTokenDataset,
     ParallelAwareDataloader,
     build_dataloader,
-    load_text_dataset,
 )
-from torchtitan.components.mixture import MixtureDataset, Source, TextSource, TokenizedSource
-from torchtitan.components.token_shards import MANIFEST, TokenCorpus
-from torchtitan.components.tokenized_dataset import Shuffle, TokenizedDataset, WindowOrder
-from torchtitan.components.tokenizer import AnyTokenizer, resolve_repo_path
-from torchtitan.config.job_config import MixtureSource
+from torchtitan.data.mixture import MixtureDataset, Source, TextSource, TokenizedSource
+from torchtitan.data.sources import load_text_dataset
+from torchtitan.data.token_shards import MANIFEST, TokenCorpus
+from torchtitan.data.tokenized_dataset import Shuffle, TokenizedDataset, WindowOrder
+from torchtitan.data.tokenizer import AnyTokenizer
+from torchtitan.tools.paths import resolve_repo_path
 
 __all__ = [
     "DATASET_KINDS",

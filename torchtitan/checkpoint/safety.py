@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torchtitan.components import checkpoint_io as io
+from torchtitan.checkpoint import storage as io
 from torchtitan.config.job_config import JobConfig
 from torchtitan.tools.logging import logger
 

@@ -10,7 +10,7 @@ A corpus folder holds, per shard ``k`` (one per input file of the text dataset, 
 
 and ``manifest.json`` with the tokenizer's identity, the dtype and every shard's counts. The
 corpus is the concatenation of its shards in order: exactly the token stream the text path
-(``components/dataloader.py``) builds from the same documents.
+(``data/dataloader.py``) builds from the same documents.
 
 :class:`TokenCorpus` opens it by memory map and reads any token range of the corpus repeated
 forever (epoch ``e`` covers tokens ``[e*N, (e+1)*N)``) with its document ids, touching only the
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan.components.tokenizer import AnyTokenizer
+from torchtitan.data.tokenizer import AnyTokenizer
 
 MANIFEST = "manifest.json"
 FORMAT = "torchtitan-tokens-v1"

@@ -1,0 +1,110 @@
+"""What a checkpoint holds besides the DCP plumbing: the model and optimizer state dicts of
+the model parts (pipeline stages merged by name), and every rank's RNG states as one opaque,
+pickle-free blob (docs/checkpoint.md)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from torchtitan.checkpoint.trust import decode_state, encode_state
+from torchtitan.distributed.utils import device_type
+
+__all__ = [
+    "load_model_state_dict",
+    "load_optimizer_state_dict",
+    "model_state_dict",
+    "optimizer_state_dict",
+    "rng_state",
+    "set_rng_state",
+]
+
+
+def model_state_dict(parts: list[nn.Module]) -> dict[str, Any]:
+    """Parameters and buffers of all model parts, keyed by their names in the full model
+    (pipeline stages keep the full model's names, so the parts never collide)."""
+    sd: dict[str, Any] = {}
+    for part in parts:
+        sd.update(get_model_state_dict(part))
+    return sd
+
+
+def load_model_state_dict(parts: list[nn.Module], sd: dict[str, Any]) -> None:
+    for part in parts:
+        set_model_state_dict(part, sd, options=StateDictOptions(strict=False))
+
+
+def _strip_part_index(name: str) -> str:
+    return name.split(".", 1)[1]
+
+
+def optimizer_state_dict(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state keyed by full-model parameter names.
+
+    torch's helper maps parameters to names through one module; one optimizer spans all parts
+    here, so the parts go in an ``nn.ModuleList`` and its ``<index>.`` prefix is removed (the
+    index of a stage on this rank is not a property of the model, and changes with the
+    pipeline layout)."""
+    osd: dict[str, Any] = get_optimizer_state_dict(nn.ModuleList(parts), optimizer)  # type: ignore[assignment]
+    return {
+        "state": {_strip_part_index(k): v for k, v in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [_strip_part_index(k) for k in g["params"]]}
+            for g in osd["param_groups"]
+        ],
+    }
+
+
+def load_optimizer_state_dict(
+    parts: list[nn.Module], optimizer: torch.optim.Optimizer, osd: dict
+) -> None:
+    prefixed = {
+        name: f"{i}.{name}" for i, part in enumerate(parts) for name, _ in part.named_parameters()
+    }
+    full = {
+        "state": {prefixed[k]: v for k, v in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [prefixed[k] for k in g["params"]]} for g in osd["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(nn.ModuleList(parts), optimizer, full)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- RNG
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    # Raw bytes, not a pickled tensor: a tensor's pickle holds its storage address, so equal
+    # states would give different checkpoint bytes.
+    return t.cpu().numpy().tobytes()
+
+
+def _bytes_tensor(b: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
+
+
+def rng_state() -> torch.Tensor:
+    """This rank's RNG states: torch CPU (and CUDA) generators and Python's ``random``."""
+    state: dict[str, Any] = {
+        "torch": _tensor_bytes(torch.get_rng_state()),
+        "python": random.getstate(),
+    }
+    if device_type() == "cuda":
+        state["cuda"] = [_tensor_bytes(t) for t in torch.cuda.get_rng_state_all()]
+    return encode_state(state)
+
+
+def set_rng_state(blob: torch.Tensor) -> None:
+    state = decode_state(blob)
+    torch.set_rng_state(_bytes_tensor(state["torch"]))
+    random.setstate(state["python"])
+    if "cuda" in state and device_type() == "cuda":
+        torch.cuda.set_rng_state_all([_bytes_tensor(b) for b in state["cuda"]])
