@@ -4,13 +4,13 @@ directly from a Hugging Face folder; the trainer's parameters must equal the giv
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 
 import torch
 
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML, TINY
+from tests.script_loader import load
 from torchtitan.checkpoint.storage import write_model_weights
 from torchtitan.models.llama3.args import LLAMA3_FLAVORS
 from torchtitan.models.llama3.model import Transformer
@@ -44,10 +44,7 @@ def test_initial_weights_from_checkpoint_and_from_hf(tmp_path: Path) -> None:
     model.init_weights(seed=123)  # type: ignore[operator]
     expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
     folder = write_model_weights(tmp_path / "seed", 0, expected)
-    spec = importlib.util.spec_from_file_location("to_hf", ROOT / "scripts" / "convert_to_hf.py")
-    assert spec is not None and spec.loader is not None
-    to_hf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(to_hf)
+    to_hf = load("scripts/convert_to_hf.py", "to_hf")
     to_hf.convert(folder, tmp_path / "hf", args, torch.float32, shard_mb=4096)
 
     base = [*TINY, "--training.local_batch_size", "4", "--checkpoint.enable"]

@@ -4,7 +4,6 @@ loads as initial weights and converts to Hugging Face."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import torchtitan.train  # noqa: F401  (imported before the ranks fork, so they 
 from tests.checkpoint_helpers import ckpt_argv, read_checkpoint, train_with_faults
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML, assert_losses_match, losses, train_metrics
+from tests.script_loader import load
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -124,10 +124,7 @@ def test_last_save_model_only_exports_bf16_weights(tmp_path: Path) -> None:
     assert not bad, f"initial weights differ from the export: {bad[:5]}"
 
     # scripts/convert_to_hf.py accepts it.
-    spec = importlib.util.spec_from_file_location("to_hf", ROOT / "scripts" / "convert_to_hf.py")
-    assert spec is not None and spec.loader is not None
-    to_hf = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(to_hf)
+    to_hf = load("scripts/convert_to_hf.py", "to_hf")
     assert to_hf.main([str(export), str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
     from safetensors.torch import load_file
 

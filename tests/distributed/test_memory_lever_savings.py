@@ -6,7 +6,6 @@ log replayed without the storages CPUOffloadPolicy keeps on the host (the benchm
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -14,6 +13,7 @@ from types import ModuleType
 import pytest
 
 from tests.launcher import run_ranks
+from tests.script_loader import load
 from torchtitan.config.manager import parse_args
 from torchtitan.models.llama3.args import LLAMA3_FLAVORS
 from torchtitan.plan.estimator import estimate_memory
@@ -23,13 +23,7 @@ TOLERANCE = 0.10
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "memory_levers_bench", ROOT / "benchmarks" / "memory_levers.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("benchmarks/memory_levers.py", "memory_levers_bench")
 
 
 BENCH = _bench()

@@ -6,34 +6,25 @@ every test then generates from its ``step-20`` folder.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 from tests.parity import train_metrics
+from tests.script_loader import load
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "Once upon a time"
 NEW_TOKENS = 24
 
 
-def _load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_script("generate")
+gen = load("scripts/generate.py")
 
 
 @pytest.fixture(autouse=True)
@@ -149,7 +140,7 @@ def test_cli_from_hugging_face_export(
     checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The DCP checkpoint exported to HF and generated from by the command line: same tokens."""
-    convert = _load_script("convert_to_hf")
+    convert = load("scripts/convert_to_hf.py")
     from torchtitan.models.llama3.args import LLAMA3_FLAVORS
 
     convert.convert(checkpoint, tmp_path, LLAMA3_FLAVORS["debugmodel"], torch.float32, 4096)

@@ -6,13 +6,13 @@ own greedy ``generate``."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.script_loader import load
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3 import Qwen3Args, Transformer
@@ -24,10 +24,7 @@ TOKENIZER = "tests/assets/hf_tokenizer"
 PROMPT = "Once upon a time"
 NEW_TOKENS = 12
 
-spec = importlib.util.spec_from_file_location("generate", ROOT / "scripts" / "generate.py")
-assert spec is not None and spec.loader is not None
-gen = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gen)
+gen = load("scripts/generate.py", "generate")
 
 DENSE = Qwen3Args(
     dim=64,

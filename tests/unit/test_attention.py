@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.script_loader import load
 from torchtitan.data.dataloader import document_ids
 from torchtitan.models.common.attention import (
     AttentionCore,
@@ -168,14 +169,7 @@ def test_validation_refuses_what_cannot_work() -> None:
 
 
 def test_attention_benchmark_runs_tiny() -> None:
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_mask.py"
-    spec = importlib.util.spec_from_file_location("attention_mask_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load("benchmarks/attention_mask.py", "attention_mask_bench")
     argv = ["--seq_len", "128", "--heads", "2", "--min_doc", "20", "--max_doc", "50"]
     result = bench.main([*argv, "--iters", "1", "--warmup", "0"])
     assert result["documents"] >= 3

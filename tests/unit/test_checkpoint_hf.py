@@ -3,14 +3,13 @@ logits (fp32, max abs diff <= 1e-4); HF -> ours -> HF is bit-identical."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
+from tests.script_loader import load
 from torchtitan.checkpoint.storage import (
     read_hf_folder,
     read_model_weights,
@@ -25,14 +24,6 @@ from torchtitan.models.llama3.state_dict_adapter import (
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # GQA (8 query heads, 4 kv heads) and Llama 3.1 RoPE scaling, to exercise every conversion.
@@ -68,7 +59,7 @@ def test_export_matches_transformers_logits(tmp_path: Path) -> None:
     model.eval()
     write_model_weights(tmp_path / "ckpt", 7, dict(model.state_dict()))
     hf_dir = tmp_path / "hf"
-    _script("convert_to_hf").convert(
+    load("scripts/convert_to_hf.py").convert(
         tmp_path / "ckpt" / "step-7", hf_dir, ARGS, torch.float32, shard_mb=1
     )
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
@@ -91,7 +82,10 @@ def test_hf_to_ours_to_hf_is_bit_identical(tmp_path: Path) -> None:
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf_in")
     original = read_hf_folder(tmp_path / "hf_in")[1]
 
-    assert _script("convert_from_hf").main([str(tmp_path / "hf_in"), str(tmp_path / "ck")]) == 0
+    assert (
+        load("scripts/convert_from_hf.py").main([str(tmp_path / "hf_in"), str(tmp_path / "ck")])
+        == 0
+    )
     ours = read_model_weights(tmp_path / "ck" / "step-0")
     model = Transformer(ARGS)
     model.load_state_dict(ours)  # our names and shapes, nothing missing
@@ -100,7 +94,7 @@ def test_hf_to_ours_to_hf_is_bit_identical(tmp_path: Path) -> None:
     got_args = args_from_hf_config(config_in)
     assert (got_args.rope_theta, got_args.rope_scaling_factor) == (500000.0, 8.0), got_args
     assert got_args.hidden_dim == ARGS.hidden_dim and got_args.kv_heads == 4
-    _script("convert_to_hf").convert(
+    load("scripts/convert_to_hf.py").convert(
         tmp_path / "ck" / "step-0",
         tmp_path / "hf_out",
         args_from_hf_config(config_in),

@@ -3,12 +3,12 @@ with transformers' own loader, takes BOS/EOS and the chat template from tokenize
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from tests.script_loader import load
 from torchtitan.data.hf_tokenizer import HFTokenizer
 from torchtitan.data.tokenizer import Tokenizer, build_tokenizer
 
@@ -75,10 +75,7 @@ def _lines(n: int) -> list[str]:
 
 
 def test_script_makes_a_loadable_tokenizer(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("mk", ROOT / "scripts" / "make_hf_tokenizer.py")
-    assert spec is not None and spec.loader is not None
-    mk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mk)
+    mk = load("scripts/make_hf_tokenizer.py", "mk")
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["ab ab ab abc"] * 50))
     assert mk.main([str(corpus), "--vocab-size", "300", "--output", str(tmp_path / "t")]) == 0

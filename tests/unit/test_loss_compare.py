@@ -5,20 +5,16 @@ The run mode (two real trainings) is tested in tests/integration/test_loss_compa
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.script_loader import load
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "loss_compare.py"
-_spec = importlib.util.spec_from_file_location("loss_compare", SCRIPT)
-assert _spec is not None and _spec.loader is not None
-loss_compare = importlib.util.module_from_spec(_spec)
-sys.modules["loss_compare"] = loss_compare  # dataclasses look their module up there
-_spec.loader.exec_module(loss_compare)
+loss_compare = load("scripts/loss_compare.py", "loss_compare")
 
 
 def write(path: Path, losses: dict[int, float]) -> Path:

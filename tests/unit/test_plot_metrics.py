@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from types import ModuleType
 
 import pytest
 
+from tests.script_loader import load
 from torchtitan.metrics.writers import JsonlWriter, TensorBoardWriter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,11 +20,7 @@ pytest.importorskip("matplotlib")
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plot_metrics", ROOT / "scripts/plot_metrics.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("scripts/plot_metrics.py", "plot_metrics")
 
 
 def _write_run(writer: JsonlWriter | TensorBoardWriter, scale: float, mfu: bool) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.script_loader import load
 from tests.tokenized_helpers import CORPUS, TOKENIZER, cached_corpus, make_corpus, split_jsonl
 from torchtitan.data.pretokenize import verify_shard
 from torchtitan.data.sources import load_text_dataset
@@ -86,14 +87,8 @@ def test_verification_catches_damage(tmp_path: Path) -> None:
 
 
 def test_script_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "pretokenize_script", Path(__file__).resolve().parents[2] / "scripts" / "pretokenize.py"
-    )
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load("scripts/pretokenize.py", "pretokenize_script")
     src = split_jsonl(CORPUS / "validation.jsonl", tmp_path / "src", parts=1, lines=10)
     rc = script.main(
         ["--dataset", "json", "--dataset-path", str(src), "--tokenizer", TOKENIZER]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import random
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.script_loader import load
 from torchtitan.data.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -22,14 +22,6 @@ from torchtitan.data.tokenizer import (
 ROOT = Path(__file__).resolve().parents[2]
 ASSET = ROOT / "tests/assets/tokenizer/tokenizer.model"
 CORPUS = ROOT / "tests/assets/test_corpus"
-
-
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +148,7 @@ def test_train_tokenizer_cli(tmp_path: Path) -> None:
 
 def test_retrained_file_at_same_path_is_reloaded(tmp_path: Path) -> None:
     # tiktoken caches files by path; a retrained tokenizer at the same path must not be stale.
-    trainer = _load_script("train_tokenizer")
+    trainer = load("scripts/train_tokenizer.py")
     corpus = tmp_path / "tiny.jsonl"
     _write_tiny_corpus(corpus)
     counts = trainer.count_words(trainer.iter_texts([corpus]))
@@ -181,7 +173,7 @@ def test_shipped_assets_are_reproducible(tmp_path: Path) -> None:
     for split in ("train", "validation"):
         fresh = (tmp_path / f"{split}.jsonl").read_bytes()
         assert fresh == (CORPUS / f"{split}.jsonl").read_bytes(), hint
-    trainer = _load_script("train_tokenizer")
+    trainer = load("scripts/train_tokenizer.py")
     counts = trainer.count_words(trainer.iter_texts([CORPUS / "train.jsonl"]))
     trainer.write_ranks(trainer.train_bpe(counts, 2040), tmp_path / "tokenizer.model")
     assert (tmp_path / "tokenizer.model").read_bytes() == ASSET.read_bytes(), hint
