@@ -179,3 +179,30 @@ def test_nothing_cites_a_document_outside_the_repository(folder: str) -> None:
         if "DESIGN" in line or "../shared" in line
     ]
     assert not hits, "cite docs/architecture.md instead:\n" + "\n".join(hits)
+
+
+def test_the_layer_table_names_every_package() -> None:
+    packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(ALLOWED), (
+        f"add to ALLOWED (and docs/architecture.md, section 2): {packages ^ set(ALLOWED)}"
+    )
+
+
+# A newcomer reads a package at a sitting and a module at a glance (docs/architecture.md,
+# section 2): about 15 modules a package, about 500 lines a module.
+MAX_MODULES, MAX_LINES = 16, 520
+
+
+def test_packages_and_modules_stay_small() -> None:
+    big = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in sorted(PKG.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    ]
+    crowded = [
+        f"{d.relative_to(ROOT)}: {n} modules"
+        for d in sorted(PKG.rglob("*"))
+        if d.is_dir()
+        and (n := len([m for m in d.glob("*.py") if m.name != "__init__.py"])) > MAX_MODULES
+    ]
+    assert not big and not crowded, "split these:\n" + "\n".join(big + crowded)
