@@ -209,19 +209,7 @@ def build_metrics(
 
 
 def build_profiling(cfg: JobConfig, rank: int, device: torch.device) -> Profiling:
-    pr = cfg.profiling
-    return Profiling(
-        cfg.job.dump_folder,
-        enable_profiling=pr.enable_profiling,
-        traces_folder=pr.save_traces_folder,
-        profile_freq=pr.profile_freq,
-        warmup=pr.profiler_warmup,
-        active=pr.profiler_active,
-        enable_memory_snapshot=pr.enable_memory_snapshot,
-        snapshot_folder=pr.save_memory_snapshot_folder,
-        rank=rank,
-        device_type=device.type,
-    )
+    return Profiling(cfg.job.dump_folder, cfg.profiling, rank, device.type)
 
 
 def build_checkpointer(

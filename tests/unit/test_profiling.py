@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -10,12 +11,17 @@ import pytest
 import torch
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import Profiling as ProfilingConfig
 from torchtitan.config.manager import parse_args
 from torchtitan.preflight.validate import validate_config
 from torchtitan.tools.profiling import Profiling
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
+
+
+def _settings(**fields: object) -> ProfilingConfig:
+    return dataclasses.replace(ProfilingConfig(), **fields)  # type: ignore[arg-type]
 
 
 def _steps_in(trace: Path) -> set[str]:
@@ -26,15 +32,16 @@ def _steps_in(trace: Path) -> set[str]:
 def _run(tmp_path: Path, first: int, last: int) -> Profiling:
     prof = Profiling(
         str(tmp_path),
-        enable_profiling=True,
-        traces_folder="traces",
-        profile_freq=4,
-        warmup=1,
-        active=2,
-        enable_memory_snapshot=False,
-        snapshot_folder="snapshots",
-        rank=3,
-        device_type="cpu",
+        _settings(
+            enable_profiling=True,
+            save_traces_folder="traces",
+            profile_freq=4,
+            profiler_warmup=1,
+            profiler_active=2,
+            save_memory_snapshot_folder="snapshots",
+        ),
+        3,
+        "cpu",
     )
     x = torch.randn(32, 32)
     prof.start(first - 1)
@@ -66,15 +73,15 @@ def test_resumed_run_keeps_the_multiples(tmp_path: Path) -> None:
 def test_disabled_profiling_does_nothing(tmp_path: Path) -> None:
     prof = Profiling(
         str(tmp_path),
-        enable_profiling=False,
-        traces_folder="t",
-        profile_freq=4,
-        warmup=1,
-        active=1,
-        enable_memory_snapshot=False,
-        snapshot_folder="s",
-        rank=0,
-        device_type="cpu",
+        _settings(
+            save_traces_folder="t",
+            profile_freq=4,
+            profiler_warmup=1,
+            profiler_active=1,
+            save_memory_snapshot_folder="s",
+        ),
+        0,
+        "cpu",
     )
     prof.start(0)
     prof.step(1)
@@ -87,15 +94,16 @@ def test_disabled_profiling_does_nothing(tmp_path: Path) -> None:
 def test_cuda_memory_snapshots(tmp_path: Path) -> None:
     prof = Profiling(
         str(tmp_path),
-        enable_profiling=False,
-        traces_folder="t",
-        profile_freq=2,
-        warmup=0,
-        active=1,
-        enable_memory_snapshot=True,
-        snapshot_folder="snapshots",
-        rank=0,
-        device_type="cuda",
+        _settings(
+            save_traces_folder="t",
+            profile_freq=2,
+            profiler_warmup=0,
+            profiler_active=1,
+            enable_memory_snapshot=True,
+            save_memory_snapshot_folder="snapshots",
+        ),
+        0,
+        "cuda",
     )
     prof.start(0)
     kept = []

@@ -21,7 +21,7 @@ import os
 import pickle
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -138,38 +138,42 @@ class MemorySnapshotter:
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
+class ProfilingSettings(Protocol):
+    """What ``Profiling`` reads: the ``[profiling]`` config section's fields (docs/observability.md)."""
+
+    enable_profiling: bool
+    save_traces_folder: str
+    profile_freq: int
+    profiler_warmup: int
+    profiler_active: int
+    enable_memory_snapshot: bool
+    save_memory_snapshot_folder: str
+
+
 class Profiling:
     """The trainer's single handle: ``start(step)`` before the loop, ``step(step)`` after each
     training step, ``stop()`` at the end. Does nothing when both features are off."""
 
     def __init__(
-        self,
-        dump_folder: str,
-        *,
-        enable_profiling: bool,
-        traces_folder: str,
-        profile_freq: int,
-        warmup: int,
-        active: int,
-        enable_memory_snapshot: bool,
-        snapshot_folder: str,
-        rank: int,
-        device_type: str,
+        self, dump_folder: str, settings: ProfilingSettings, rank: int, device_type: str
     ) -> None:
+        s = settings
         self.trace: TraceProfiler | None = None
         self.memory: MemorySnapshotter | None = None
-        if enable_profiling:
+        if s.enable_profiling:
             self.trace = TraceProfiler(
-                Path(dump_folder) / traces_folder,
-                profile_freq=profile_freq,
-                warmup=warmup,
-                active=active,
+                Path(dump_folder) / s.save_traces_folder,
+                profile_freq=s.profile_freq,
+                warmup=s.profiler_warmup,
+                active=s.profiler_active,
                 rank=rank,
                 device_type=device_type,
             )
-        if enable_memory_snapshot:
+        if s.enable_memory_snapshot:
             self.memory = MemorySnapshotter(
-                Path(dump_folder) / snapshot_folder, profile_freq=profile_freq, rank=rank
+                Path(dump_folder) / s.save_memory_snapshot_folder,
+                profile_freq=s.profile_freq,
+                rank=rank,
             )
         self._running = False
 
