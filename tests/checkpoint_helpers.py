@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tests.launcher import _worker, free_port, mp_context
+from tests.launcher import start_ranks
 from tests.parity import DEBUG_TOML, TINY, read_jsonl
 
 STEPS = 6
@@ -77,15 +77,7 @@ def train_with_faults(
 def run_until_rank_killed(world_size: int, *args: Any, timeout: float = 300.0) -> None:
     """Fork ``world_size`` ranks running ``train_with_faults(*args)``; once a rank dies of
     SIGKILL, SIGKILL the others too (what torchrun does when a worker dies)."""
-    ctx = mp_context()
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(train_with_faults, r, world_size, port, args, queue))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    procs, _ = start_ranks(train_with_faults, world_size, args)
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -62,10 +62,11 @@ def _worker(
             dist.destroy_process_group()
 
 
-def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
-) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` CPU ranks; returns results ordered by rank."""
+def start_ranks(
+    fn: Callable[..., Any], world_size: int, args: tuple
+) -> tuple[list[mp.process.BaseProcess], Any]:
+    """Start ``world_size`` forked CPU ranks running ``fn(*args)``; their results arrive on the
+    returned queue as ``(rank, ok, value)``."""
     ctx = mp_context()
     queue = ctx.Queue()
     port = free_port()
@@ -75,6 +76,14 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
+    return procs, queue
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` CPU ranks; returns results ordered by rank."""
+    procs, queue = start_ranks(fn, world_size, args)
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:
