@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_args import tiny_qwen3
 from torchtitan.components.tokenizer import build_tokenizer
+from torchtitan.models.common.hf import StateDictAdapter
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3 import Qwen3Args, Transformer
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.models.qwen3.hf import QWEN3_HF
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,17 +31,7 @@ assert spec is not None and spec.loader is not None
 gen = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gen)
 
-DENSE = Qwen3Args(
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-    vocab_size=1024,
-    max_seq_len=64,
-    tie_word_embeddings=True,
-)
+DENSE = tiny_qwen3(vocab=1024)
 MOE = dataclasses.replace(
     DENSE, tie_word_embeddings=False, moe=MoEArgs(num_experts=4, top_k=2, expert_dim=32)
 )
@@ -58,7 +50,7 @@ def test_generate_from_hf_folder(
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     model.eval()
-    adapter = Qwen3StateDictAdapter(args)
+    adapter = StateDictAdapter(QWEN3_HF, args)
     save_file(adapter.to_hf(dict(model.state_dict())), str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(adapter.hf_config()))
 
