@@ -3,7 +3,7 @@
     python scripts/convert_from_hf.py hf_folder outputs/imported/checkpoint --step 0
 
 Reads ``config.json`` and the ``*.safetensors`` files (sharded or not), converts names and the
-RoPE layout (torchtitan/models/llama3/state_dict_adapter.py) and writes
+RoPE layout (torchtitan/models/llama3/hf.py) and writes
 ``<output>/step-<step>/`` with a manifest, holding only ``model``. Prints the matching model
 arguments so you can check them against the flavor you train with.
 """
@@ -15,10 +15,8 @@ import sys
 from pathlib import Path
 
 from torchtitan.checkpoint.storage import read_hf_folder, write_model_weights
-from torchtitan.models.llama3.state_dict_adapter import (
-    Llama3StateDictAdapter,
-    args_from_hf_config,
-)
+from torchtitan.models.llama3 import llama3_spec
+from torchtitan.models.llama3.hf import args_from_hf_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     config, hf = read_hf_folder(a.hf_folder)
     args = args_from_hf_config(config)
-    model = Llama3StateDictAdapter(args).from_hf(hf)
+    model = llama3_spec.state_dict_adapter(args).from_hf(hf)
     path = write_model_weights(a.output, a.step, model)
     print(f"wrote {len(model)} tensors to {path}; model args: {args}")
     return 0

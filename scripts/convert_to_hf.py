@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from torchtitan.checkpoint.storage import read_model_weights
+from torchtitan.models.llama3 import llama3_spec
 from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs
-from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,7 +57,7 @@ def save_hf(
 def convert(checkpoint: Path, out: Path, args: ModelArgs, dtype: torch.dtype, shard_mb: int) -> int:
     model = read_model_weights(checkpoint)
     args = dataclasses.replace(args, vocab_size=model["tok_embeddings.weight"].shape[0])
-    adapter = Llama3StateDictAdapter(args)
+    adapter = llama3_spec.state_dict_adapter(args)
     hf = {k: v.to(dtype) for k, v in adapter.to_hf(model).items()}
     save_hf(hf, adapter.hf_config(dtype), out, max_shard_bytes=shard_mb << 20)
     return len(hf)

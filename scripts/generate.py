@@ -36,8 +36,8 @@ from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS
 from torchtitan.models.common.kv_cache import KVCache
-from torchtitan.models.llama3.state_dict_adapter import args_from_hf_config as llama3_args
-from torchtitan.models.qwen3.state_dict_adapter import args_from_hf_config as qwen3_args
+from torchtitan.models.llama3.hf import args_from_hf_config as llama3_args
+from torchtitan.models.qwen3.hf import args_from_hf_config as qwen3_args
 
 # Hugging Face ``model_type`` -> (our family, its config reader).
 _HF_FAMILIES = {

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from tests.script_loader import load
+from tests.tiny_args import tiny_qwen3
 from torchtitan.data.tokenizer import build_tokenizer
+from torchtitan.models.common.hf import StateDictAdapter
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3 import Qwen3Args, Transformer
-from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+from torchtitan.models.qwen3.hf import QWEN3_HF
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,17 +28,7 @@ NEW_TOKENS = 12
 
 gen = load("scripts/generate.py", "generate")
 
-DENSE = Qwen3Args(
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-    vocab_size=1024,
-    max_seq_len=64,
-    tie_word_embeddings=True,
-)
+DENSE = tiny_qwen3(vocab=1024)
 MOE = dataclasses.replace(
     DENSE, tie_word_embeddings=False, moe=MoEArgs(num_experts=4, top_k=2, expert_dim=32)
 )
@@ -55,7 +47,7 @@ def test_generate_from_hf_folder(
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     model.eval()
-    adapter = Qwen3StateDictAdapter(args)
+    adapter = StateDictAdapter(QWEN3_HF, args)
     save_file(adapter.to_hf(dict(model.state_dict())), str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(adapter.hf_config()))
 

@@ -10,39 +10,26 @@ import pytest
 import torch
 
 from tests.script_loader import load
+from tests.tiny_args import tiny_llama3
 from torchtitan.checkpoint.storage import (
     read_hf_folder,
     read_model_weights,
     write_model_weights,
 )
-from torchtitan.models.llama3.args import ModelArgs
+from torchtitan.models.common.hf import StateDictAdapter
+from torchtitan.models.llama3.hf import LLAMA3_HF, args_from_hf_config
 from torchtitan.models.llama3.model import Transformer
-from torchtitan.models.llama3.state_dict_adapter import (
-    Llama3StateDictAdapter,
-    args_from_hf_config,
-)
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 
 
 # GQA (8 query heads, 4 kv heads) and Llama 3.1 RoPE scaling, to exercise every conversion.
-ARGS = ModelArgs(
-    dim=128,
-    n_layers=2,
-    n_heads=8,
-    n_kv_heads=4,
-    vocab_size=512,
-    multiple_of=64,
-    max_seq_len=64,
-    rope_theta=500000.0,
-    rope_scaling_factor=8.0,
-    rope_original_max_seq_len=32,
-)
+ARGS = tiny_llama3(multiple_of=64, rope_scaling_factor=8.0, rope_original_max_seq_len=32)
 
 
 def test_rope_permutation_round_trips() -> None:
-    adapter = Llama3StateDictAdapter(ARGS)
+    adapter = StateDictAdapter(LLAMA3_HF, ARGS)
     sd = {"layers.0.attention.wq.weight": torch.randn(128, 128)}
     sd["layers.0.attention.wk.weight"] = torch.randn(64, 128)
     back = adapter.from_hf(adapter.to_hf(sd))
@@ -77,7 +64,7 @@ def test_export_matches_transformers_logits(tmp_path: Path) -> None:
 
 
 def test_hf_to_ours_to_hf_is_bit_identical(tmp_path: Path) -> None:
-    config = transformers.LlamaConfig(**Llama3StateDictAdapter(ARGS).hf_config())
+    config = transformers.LlamaConfig(**StateDictAdapter(LLAMA3_HF, ARGS).hf_config())
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf_in")
     original = read_hf_folder(tmp_path / "hf_in")[1]

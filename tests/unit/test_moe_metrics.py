@@ -9,21 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.tiny_args import tiny_qwen3
 from torchtitan.models.common.moe import MoEArgs, moe_overrides
 from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
-from torchtitan.models.qwen3 import Qwen3Args, Transformer
+from torchtitan.models.qwen3 import Transformer
 
-ARGS = Qwen3Args(
-    dim=32,
-    n_layers=2,
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=16,
-    intermediate_size=64,
-    vocab_size=64,
-    max_seq_len=16,
-    moe=MoEArgs(num_experts=4, top_k=2, expert_dim=16, aux_loss_coef=0.01),
-)
+EXPERTS = MoEArgs(num_experts=4, top_k=2, expert_dim=16, aux_loss_coef=0.01)
+ARGS = tiny_qwen3(32, (2, 1), 64, 64, max_seq_len=16, tie_word_embeddings=False, moe=EXPERTS)
 
 
 def test_load_fields_and_reset() -> None:

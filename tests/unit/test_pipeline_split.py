@@ -18,8 +18,8 @@ from torchtitan.distributed.pipeline_plan import (
 )
 from torchtitan.log_ranks import main as log_ranks_main
 from torchtitan.log_ranks import resolve_log_ranks
+from torchtitan.models.common.decoder_plan import pipeline_units
 from torchtitan.models.llama3 import LLAMA3_FLAVORS, Transformer
-from torchtitan.models.llama3.parallel_plan import pipeline_units
 from torchtitan.preflight.validate import pipeline_plan, validate_config
 
 

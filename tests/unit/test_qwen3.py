@@ -11,26 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiny_args import tiny_qwen3
 from torchtitan.checkpoint.storage import read_hf_folder
 from torchtitan.models import MODELS
+from torchtitan.models.common.hf import StateDictAdapter
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, Transformer
-from torchtitan.models.qwen3.state_dict_adapter import (
-    Qwen3StateDictAdapter,
-    args_from_hf_config,
-)
+from torchtitan.models.qwen3.hf import QWEN3_HF, args_from_hf_config
 
-DENSE = Qwen3Args(
-    dim=64,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-    vocab_size=256,
-    max_seq_len=64,
-    tie_word_embeddings=True,
-)
+DENSE = tiny_qwen3()
 # Layer 1 dense (mlp_only_layers), layer 0 and 2 sparse: every mapping is exercised.
 MOE = dataclasses.replace(
     DENSE,
@@ -107,7 +96,7 @@ def test_export_matches_transformers_logits(args: Qwen3Args, tmp_path: Path) -> 
 
     model_cls, _ = _hf_classes(args)
     model = _model(args, seed=3)
-    adapter = Qwen3StateDictAdapter(args)
+    adapter = StateDictAdapter(QWEN3_HF, args)
     save_file(adapter.to_hf(dict(model.state_dict())), str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(adapter.hf_config()))
     hf = model_cls.from_pretrained(
@@ -123,7 +112,7 @@ def test_export_matches_transformers_logits(args: Qwen3Args, tmp_path: Path) -> 
 def test_import_matches_transformers_logits(args: Qwen3Args, tmp_path: Path) -> None:
     model_cls, config_cls = _hf_classes(args)
     torch.manual_seed(0)
-    hf = model_cls(config_cls(**Qwen3StateDictAdapter(args).hf_config()))
+    hf = model_cls(config_cls(**StateDictAdapter(QWEN3_HF, args).hf_config()))
     with torch.no_grad():  # random everything (the HF router starts at zero: all ties)
         for p in hf.parameters():
             p.normal_(0.0, 0.1)
@@ -132,7 +121,7 @@ def test_import_matches_transformers_logits(args: Qwen3Args, tmp_path: Path) -> 
     got = args_from_hf_config(config)
     assert (got.moe, got.moe_layers, got.head_dim) == (args.moe, args.moe_layers, args.head_dim)
     ours = Transformer(got)
-    ours.load_state_dict(Qwen3StateDictAdapter(got).from_hf(hf_sd), strict=True)
+    ours.load_state_dict(StateDictAdapter(QWEN3_HF, got).from_hf(hf_sd), strict=True)
     ours.init_buffers()
     ours.eval()
     hf.eval()
@@ -140,7 +129,7 @@ def test_import_matches_transformers_logits(args: Qwen3Args, tmp_path: Path) -> 
         diff = (ours(_tokens()) - hf(_tokens()).logits).abs().max().item()
     print(f"transformers ({type(hf).__name__}) -> ours: max abs logit diff {diff:.2e}")
     assert diff <= 1e-5, diff
-    back = Qwen3StateDictAdapter(got).to_hf(dict(ours.state_dict()))
+    back = StateDictAdapter(QWEN3_HF, got).to_hf(dict(ours.state_dict()))
     if args.moe is None:  # dense: HF -> ours -> HF is bit-identical
         assert set(back) == set(hf_sd) and all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
 
@@ -151,4 +140,4 @@ def test_export_refuses_a_trained_routing_bias() -> None:
     sd = dict(model.state_dict())
     sd["layers.0.feed_forward.router.expert_bias"] = torch.ones(8)
     with pytest.raises(ValueError, match="no routing bias"):
-        Qwen3StateDictAdapter(MOE).to_hf(sd)
+        StateDictAdapter(QWEN3_HF, MOE).to_hf(sd)

@@ -9,13 +9,15 @@ folder ``models/<name>/``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from torchtitan.distributed.model_plan import ModelParallelPlan
+from torchtitan.models.common.hf import HFMapping
+from torchtitan.models.common.hf import StateDictAdapter as HFStateDictAdapter
 
 
 class ModelArgs(Protocol):
@@ -90,6 +92,35 @@ class ModelSpec(Protocol):
     def state_dict_adapter(self, args: Any) -> StateDictAdapter | None:
         """The Hugging Face converter, or None when the family has no Hugging Face format."""
         ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilySpec:
+    """The one :class:`ModelSpec` implementation a family instantiates with its pieces
+    (docs/extending.md, section 4): its args carry the closed-form counts (``num_params``,
+    ``flops_per_token``; ``models/common/args.py``), its ``hf`` mapping gives the adapter."""
+
+    name: str
+    flavors: Mapping[str, Any]
+    """Flavor name -> args (the family's table itself, so flavors registered later are seen)."""
+    model: Callable[[Any], nn.Module]
+    plan: Callable[[Any], ModelParallelPlan]
+    hf: HFMapping | None = None
+
+    def build(self, args: Any) -> nn.Module:
+        return self.model(args)
+
+    def parallel_plan(self, args: Any) -> ModelParallelPlan:
+        return self.plan(args)
+
+    def num_params(self, args: Any) -> int:
+        return int(args.num_params())
+
+    def flops_per_token(self, args: Any, seq_len: int) -> int:
+        return int(args.flops_per_token(seq_len))
+
+    def state_dict_adapter(self, args: Any) -> HFStateDictAdapter | None:
+        return None if self.hf is None else HFStateDictAdapter(self.hf, args)
 
 
 def runtime_args(

@@ -7,7 +7,7 @@ per-head RMSNorm of queries and keys before RoPE (QK-norm), the free ``head_dim`
 optional Mixture-of-Experts feed-forward (``models/common/moe.py``).
 
 RoPE rotates adjacent channel pairs (as in Llama 3 here); Hugging Face's Qwen3 rotates the two
-halves of a head. ``state_dict_adapter.py`` permutes ``wq``/``wk`` rows and the QK-norm weights
+halves of a head. ``hf.py`` permutes ``wq``/``wk`` rows and the QK-norm weights
 between the two layouts, so the models compute the same function.
 """
 

@@ -1,0 +1,109 @@
+"""The one Hugging Face state-dict adapter: applies a family's :class:`HFMapping` both ways
+(docs/extending.md, section 5).
+
+Works on full (unsharded) plain tensors: gather a checkpoint first. Top-level tensors are passed
+through (the tied head and embedding stay one tensor); per-layer ones are renamed, transformed
+and made contiguous; routed experts are unstacked into one HF tensor each (and stacked back).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from torchtitan.models.common.hf.mapping import HFMapping
+
+
+class StateDictAdapter:
+    """Converts full state dicts between our names and layouts and Hugging Face's, for one
+    family's ``mapping`` and one flavor's ``args``."""
+
+    def __init__(self, mapping: HFMapping, args: Any) -> None:
+        self.mapping, self.args = mapping, args
+        ours, hf = mapping.layers
+        self._ours_layer = re.compile(rf"^{re.escape(ours)}\.(\d+)\.(.+)$")
+        self._hf_layer = re.compile(rf"^{re.escape(hf)}\.(\d+)\.(.+)$")
+        self._hf_top = {v: k for k, v in mapping.top.items()}
+        self._hf_names = {v: k for k, v in mapping.layer.items()}
+
+    @property
+    def _tied(self) -> bool:
+        return bool(self.args.tie_word_embeddings)
+
+    def to_hf(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        m = self.mapping
+        out: dict[str, torch.Tensor] = {}
+        for key, w in sd.items():
+            if key in m.top:
+                if not (self._tied and key == m.tied[0]):  # HF stores a tied matrix once
+                    out[m.top[key]] = w
+                continue
+            found = self._ours_layer.match(key)
+            if found is None:
+                raise KeyError(f"no Hugging Face name for {key!r}")
+            prefix = f"{m.layers[1]}.{found.group(1)}."
+            out.update({prefix + k: v for k, v in self._layer_to_hf(key, found.group(2), w)})
+        return out
+
+    def _layer_to_hf(self, key: str, name: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        m = self.mapping
+        if name in m.ours_only:
+            if bool(w.any()):
+                raise ValueError(f"{key} is non-zero: {m.ours_only[name].reason}")
+            return []
+        if m.experts is not None and name.startswith(m.experts.ours + "."):
+            return list(m.experts.to_hf(name, w))
+        if name not in m.layer:
+            raise KeyError(f"no Hugging Face name for {key!r}{m.unmapped_hint}")
+        transform = m.transforms.get(name)
+        w = transform.to_hf(w, self.args) if transform is not None else w
+        return [(m.layer[name], w.contiguous())]
+
+    def from_hf(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        m = self.mapping
+        out: dict[str, torch.Tensor] = {}
+        experts: dict[str, dict[int, torch.Tensor]] = {}
+        for key, w in hf.items():
+            if key in self._hf_top:
+                out[self._hf_top[key]] = w
+                continue
+            found = self._hf_layer.match(key)
+            if key.endswith(m.ignored_hf):
+                continue  # recomputed from the config
+            if found is None:
+                raise KeyError(f"unexpected Hugging Face key {key!r}")
+            layer, name = found.groups()
+            prefix = f"{m.layers[0]}.{layer}."
+            if name in self._hf_names:
+                ours = self._hf_names[name]
+                transform = m.transforms.get(ours)
+                w = transform.from_hf(w, self.args) if transform is not None else w
+                out[prefix + ours] = w.contiguous()
+            elif m.experts is not None and (one := m.experts.per_expert(name)) is not None:
+                experts.setdefault(prefix + one[0], {})[one[1]] = w.t()
+            elif m.experts is not None and (parts := m.experts.unfuse(name, w)) is not None:
+                out.update({prefix + k: v for k, v in parts.items()})
+            else:
+                raise KeyError(f"unexpected Hugging Face key {key!r}")
+        for ours, by_id in experts.items():
+            out[ours] = torch.stack([by_id[i] for i in range(len(by_id))]).contiguous()
+        self._add_ours_only(out)
+        head, embedding = m.tied
+        if self._tied and head not in out:
+            out[head] = out[embedding]
+        return out
+
+    def _add_ours_only(self, out: dict[str, torch.Tensor]) -> None:
+        """Zeros for the tensors HF has no name for, one per row of their ``like`` tensor."""
+        for name, only in self.mapping.ours_only.items():
+            for key in [k for k in out if k.endswith("." + only.like)]:
+                found = self._ours_layer.match(key)
+                if found is not None and found.group(2) == only.like:
+                    like = out[key]
+                    out[key.removesuffix(only.like) + name] = like.new_zeros(like.shape[0])
+
+    def hf_config(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+        """``config.json`` for the family's transformers class with these args."""
+        return self.mapping.config.to_hf(self.args, dtype)

@@ -1,0 +1,136 @@
+"""A family's Hugging Face weight format, declared as data (docs/extending.md, section 5).
+
+:class:`HFMapping` says how a full (unsharded) state dict of ours corresponds to a transformers
+checkpoint: name tables for the top-level and per-layer tensors, per-tensor transforms (each
+with its inverse), the stacking of per-expert weights, the tensors only we have and the tied
+head. ``hf/adapter.py`` applies a mapping both ways, ``hf/config.py`` translates the args.
+
+Every transform here is exact (a permutation, a transpose, a split or a stack: no arithmetic),
+so HF -> ours -> HF is bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from torchtitan.models.common.hf.config import HFConfig
+
+
+class TensorTransform(Protocol):
+    """A per-tensor layout change: ``from_hf(to_hf(w, args), args)`` equals ``w``."""
+
+    def to_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor: ...
+
+    def from_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor: ...
+
+
+def half_split_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of each head from interleaved pairs ``(2i, 2i+1)`` (our RoPE) to the two-halves order
+    ``(i, i + Dh/2)`` (transformers' ``rotate_half``)."""
+    rows, cols = w.shape
+    head_dim = rows // n_heads
+    return w.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def interleave_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of :func:`half_split_rows`."""
+    rows, cols = w.shape
+    head_dim = rows // n_heads
+    return w.view(n_heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+@dataclass(frozen=True)
+class RopeRows:
+    """The RoPE channel order of a query/key projection (or a per-head norm weight, ``heads``
+    None: one head's channels as a vector). The attention scores are unchanged because q and k
+    are permuted alike; ``wv``/``wo`` need nothing."""
+
+    heads: str | None
+    """The args attribute giving the number of heads in the rows (``n_heads``, ``kv_heads``)."""
+
+    def _apply(self, w: torch.Tensor, args: Any, fn: Any) -> torch.Tensor:
+        if self.heads is None:
+            return fn(w[:, None], 1)[:, 0]
+        return fn(w, getattr(args, self.heads))
+
+    def to_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor:
+        return self._apply(w, args, half_split_rows)
+
+    def from_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor:
+        return self._apply(w, args, interleave_rows)
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """Routed experts: ours are one stacked tensor per projection, ``<ours>.w1 [E, in, out]``;
+    Hugging Face checkpoints hold one ``nn.Linear`` per expert, ``<hf>.<e>.gate_proj.weight
+    [out, in]`` (what ``to_hf`` writes). ``fused`` names in-memory layouts that are read too:
+    ``[E, k * out, in]`` split into ``k`` of our projections."""
+
+    ours: str = "feed_forward.experts"
+    hf: str = "mlp.experts"
+    names: Mapping[str, str] = field(
+        default_factory=lambda: {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+    )
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def to_hf(self, name: str, w: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """Per-layer HF names and tensors of our stacked per-layer tensor ``name``."""
+        proj = self.names[name.removeprefix(self.ours + ".")]
+        for e in range(w.shape[0]):
+            yield f"{self.hf}.{e}.{proj}.weight", w[e].t().contiguous()
+
+    def per_expert(self, hf_name: str) -> tuple[str, int] | None:
+        """``(our name, expert id)`` of a per-expert HF per-layer name, else None."""
+        prefix = self.hf + "."
+        if not hf_name.startswith(prefix):
+            return None
+        e, _, rest = hf_name.removeprefix(prefix).partition(".")
+        ours = {f"{v}.weight": k for k, v in self.names.items()}.get(rest)
+        if not e.isdigit() or ours is None:
+            return None
+        return f"{self.ours}.{ours}", int(e)
+
+    def unfuse(self, hf_name: str, w: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Our stacked tensors from a fused HF per-layer tensor, else None."""
+        ours = self.fused.get(hf_name.removeprefix(self.hf + "."))
+        if not hf_name.startswith(self.hf + ".") or ours is None:
+            return None
+        parts = w.chunk(len(ours), dim=1)
+        return {f"{self.ours}.{n}": p.transpose(1, 2).contiguous() for n, p in zip(ours, parts)}
+
+
+@dataclass(frozen=True)
+class OursOnly:
+    """A per-layer tensor with no Hugging Face counterpart: exported only while zero (else
+    ``ValueError(reason)``), imported as zeros, one per row of the per-layer tensor ``like``."""
+
+    like: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """Everything that differs between our state dict and a family's Hugging Face checkpoint."""
+
+    top: Mapping[str, str]
+    """Our top-level name -> HF name (embedding, final norm, head)."""
+    layer: Mapping[str, str]
+    """Our per-layer name (inside ``layers.<i>.``) -> HF's (inside ``model.layers.<i>.``)."""
+    config: HFConfig
+    """Our args <-> ``config.json``."""
+    transforms: Mapping[str, TensorTransform] = field(default_factory=dict)
+    """Our per-layer name -> its layout change (names absent: copied as they are)."""
+    experts: ExpertStack | None = None
+    ours_only: Mapping[str, OursOnly] = field(default_factory=dict)
+    tied: tuple[str, str] = ("output.weight", "tok_embeddings.weight")
+    """(head, embedding): with ``args.tie_word_embeddings`` HF stores the shared matrix once."""
+    ignored_hf: tuple[str, ...] = ("rotary_emb.inv_freq",)
+    """Suffixes of HF keys that are skipped (buffers some exports include)."""
+    layers: tuple[str, str] = ("layers", "model.layers")
+    unmapped_hint: str = ""
+    """Appended to the error for a tensor of ours without an HF name."""
