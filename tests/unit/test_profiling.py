@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
 
 
-def _settings(**fields: object) -> ProfilingConfig:
-    return dataclasses.replace(ProfilingConfig(), **fields)  # type: ignore[arg-type]
+def _profiling(tmp_path: Path, rank: int, device_type: str, **fields: object) -> Profiling:
+    """``Profiling`` over ``tmp_path`` with the ``[profiling]`` defaults but ``fields``."""
+    settings = dataclasses.replace(ProfilingConfig(), **fields)  # type: ignore[arg-type]
+    return Profiling(str(tmp_path), settings, rank, device_type)
 
 
 def _steps_in(trace: Path) -> set[str]:
@@ -30,18 +32,16 @@ def _steps_in(trace: Path) -> set[str]:
 
 
 def _run(tmp_path: Path, first: int, last: int) -> Profiling:
-    prof = Profiling(
-        str(tmp_path),
-        _settings(
-            enable_profiling=True,
-            save_traces_folder="traces",
-            profile_freq=4,
-            profiler_warmup=1,
-            profiler_active=2,
-            save_memory_snapshot_folder="snapshots",
-        ),
+    prof = _profiling(
+        tmp_path,
         3,
         "cpu",
+        enable_profiling=True,
+        save_traces_folder="traces",
+        profile_freq=4,
+        profiler_warmup=1,
+        profiler_active=2,
+        save_memory_snapshot_folder="snapshots",
     )
     x = torch.randn(32, 32)
     prof.start(first - 1)
@@ -71,17 +71,15 @@ def test_resumed_run_keeps_the_multiples(tmp_path: Path) -> None:
 
 
 def test_disabled_profiling_does_nothing(tmp_path: Path) -> None:
-    prof = Profiling(
-        str(tmp_path),
-        _settings(
-            save_traces_folder="t",
-            profile_freq=4,
-            profiler_warmup=1,
-            profiler_active=1,
-            save_memory_snapshot_folder="s",
-        ),
+    prof = _profiling(
+        tmp_path,
         0,
         "cpu",
+        save_traces_folder="t",
+        profile_freq=4,
+        profiler_warmup=1,
+        profiler_active=1,
+        save_memory_snapshot_folder="s",
     )
     prof.start(0)
     prof.step(1)
@@ -92,18 +90,16 @@ def test_disabled_profiling_does_nothing(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_memory_snapshots(tmp_path: Path) -> None:
-    prof = Profiling(
-        str(tmp_path),
-        _settings(
-            save_traces_folder="t",
-            profile_freq=2,
-            profiler_warmup=0,
-            profiler_active=1,
-            enable_memory_snapshot=True,
-            save_memory_snapshot_folder="snapshots",
-        ),
+    prof = _profiling(
+        tmp_path,
         0,
         "cuda",
+        save_traces_folder="t",
+        profile_freq=2,
+        profiler_warmup=0,
+        profiler_active=1,
+        enable_memory_snapshot=True,
+        save_memory_snapshot_folder="snapshots",
     )
     prof.start(0)
     kept = []
