@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check"
     env = {**os.environ, "TORCHTITAN_PYTHON": sys.executable, "OUT": str(out)}
