@@ -6,7 +6,10 @@
 #   ./run_tests.sh -m slow         extra arguments go to pytest (a -m of yours replaces the tier's)
 #   ./run_tests.sh --torch 2.11    the smoke tier against another torch of the supported window
 #                                  (2.11 ... 2.15) in its own venv, .venv-torch2.11 (built on the
-#                                  first use from PyPI: a CUDA build, a few GB, runs on CPU)
+#                                  first use from PyPI: a CUDA build, a few GB, runs on CPU):
+#                                  unit checks and what a user runs (run_train.sh with a SIGTERM
+#                                  and a bitwise resume, the SLURM script's line as 2 localhost
+#                                  nodes, scripts/gpu_check.sh --cpu), all launched as a user does
 #
 # The first run creates .venv (scripts/setup_env.sh); set TORCHTITAN_PYTHON to use another python.
 set -euo pipefail

@@ -12,10 +12,12 @@
 #
 # Preemption (with --checkpoint.enable): torchrun forwards SIGTERM and SIGUSR1 (SLURM's
 # `--signal=USR1@120`) to every rank; the trainer saves a checkpoint at the next step boundary
-# and exits 0 (and so does this script). torchrun kills ranks that are still running SHUTDOWN_TIMEOUT seconds (default
-# 120) after the signal, so keep it above a checkpoint save. A relaunch, or a torchrun restart
-# after a crash (add --max-restarts N via TORCHRUN_ARGS), resumes from the newest complete
-# checkpoint automatically; see docs/checkpoint.md.
+# and exits 0 (and so does this script). Ranks still running SHUTDOWN_TIMEOUT seconds (default
+# 120) after the signal are killed, so keep it above a checkpoint save (torchtitan.launch's
+# --shutdown-timeout, on every torch of the window: torch 2.11's torchrun has no such option, so
+# the launcher applies it there itself). A relaunch, or a torchrun restart after a crash (add
+# --max-restarts N via TORCHRUN_ARGS), resumes from the newest complete checkpoint
+# automatically; see docs/checkpoint.md.
 #
 # Which rank holds what: ranks are laid out on the mesh pp x dp_replicate x dp_shard x cp x tp
 # (tp innermost), so rank r sits on pp rank r // (NGPU / pp degree). Every line a rank prints
@@ -66,7 +68,8 @@ export HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-0}"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 # torchtitan.launch is torchrun with our exit codes: 0 done or gracefully preempted, 2 config or
-# data error, 1 any other failure (docs/errors.md, "Exit codes").
+# data error, 1 any other failure (docs/errors.md, "Exit codes"). Pass only options torch 2.11's
+# torchrun accepts, or the launcher's own (tests/unit/test_launch_options.py checks).
 exec "$python" -m torchtitan.launch \
     --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \

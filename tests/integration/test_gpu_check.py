@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     out = tmp_path / "gpu_check"
     env = {**os.environ, "TORCHTITAN_PYTHON": sys.executable, "OUT": str(out)}
@@ -31,6 +32,7 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = (out / "summary.txt").read_text()
+    print(summary)
     assert summary == res.stdout[-len(summary) :]
     rows = {
         line[:30].strip(): line[30:].split()

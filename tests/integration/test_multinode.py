@@ -1,7 +1,8 @@
-"""Two "nodes" on localhost: two torchrun agents (2 ranks each) meet through a c10d rendezvous,
-exactly as scripts/multinode_trainer.slurm starts them on a cluster, and train the debug model
-with TP 2 inside each node x FSDP 2 across the nodes. The per-step losses must equal a
-single-node 4-rank run of the same layout (forked ranks, tests/launcher.py).
+"""Two "nodes" on localhost: scripts/multinode_trainer.slurm runs twice (SLURM's commands stood in
+for), so two torchrun agents (torchtitan.launch, 2 ranks each) meet through a c10d rendezvous
+exactly as on a cluster, and train the debug model with TP 2 inside each node x FSDP 2 across the
+nodes. The per-step losses must equal a single-node 4-rank run of the same layout (forked ranks,
+tests/launcher.py).
 """
 
 from __future__ import annotations
@@ -31,41 +32,33 @@ LAYOUT = [
 ]
 
 
-def _node(node_rank: int, port: int, dump: Path, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_DATASETS_OFFLINE="1", PYTHONUNBUFFERED="1")
+def _node(port: int, dump: Path, log: Path) -> subprocess.Popen:
+    """One "node": scripts/multinode_trainer.slurm as sbatch runs it, with stand-ins for SLURM's
+    ``scontrol`` (the allocation is localhost) and ``srun`` (runs its command here)."""
+    root = Path(DEBUG_TOML).parents[1]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        HF_DATASETS_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        TORCHTITAN_PYTHON=sys.executable,
+        CONFIG_FILE=DEBUG_TOML,
+        GPUS_PER_NODE="2",
+        RDZV_PORT=str(port),
+        LOG_RANK="0,1",
+        SLURM_JOB_NODELIST="localhost",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_ID=f"multinode-test-{port}",
+        **{
+            "BASH_FUNC_scontrol%%": "() { echo localhost; }",
+            "BASH_FUNC_srun%%": '() { while [[ "$1" == -* ]]; do shift; done; "$@"; }',
+        },
+    )
     # torchrun's MASTER_* would otherwise leak in from a test run under torchrun.
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--nproc_per_node",
-        "2",
-        "--rdzv_backend",
-        "c10d",
-        "--rdzv_endpoint",
-        f"localhost:{port}",
-        "--rdzv_id",
-        f"multinode-test-{port}",
-        "--node_rank",
-        str(node_rank),
-        "--max-restarts",
-        "0",
-        "-m",
-        "torchtitan.train",
-        "--job.config_file",
-        DEBUG_TOML,
-        "--job.dump_folder",
-        str(dump),
-        *TINY,
-        "--training.steps",
-        str(STEPS),
-        *LAYOUT,
-    ]
-    root = Path(DEBUG_TOML).parents[1]
+    cmd = ["bash", str(root / "scripts" / "multinode_trainer.slurm"), "--job.dump_folder"]
+    cmd += [str(dump), *TINY, "--training.steps", str(STEPS), *LAYOUT]
     # A session of its own, so that a hung run can be killed with its ranks.
     return subprocess.Popen(
         cmd,
@@ -78,13 +71,14 @@ def _node(node_rank: int, port: int, dump: Path, log: Path) -> subprocess.Popen:
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_two_nodes_match_one_node(tmp_path: Path) -> None:
     port = free_port()
     dump = tmp_path / "two_nodes"
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
-    nodes = [_node(0, port, dump, logs[0])]
-    time.sleep(1.0)  # the rendezvous host (node 0) binds the port first
-    nodes.append(_node(1, port, dump, logs[1]))
+    nodes = [_node(port, dump, logs[0])]
+    time.sleep(1.0)  # the first node binds the rendezvous port; the second then joins it
+    nodes.append(_node(port, dump, logs[1]))
     try:
         codes = [p.wait(timeout=600) for p in nodes]
     finally:
@@ -104,6 +98,8 @@ def test_two_nodes_match_one_node(tmp_path: Path) -> None:
     assert [m["step"] for m in two_nodes] == list(range(1, STEPS + 1))
 
     one_node = train_metrics(LAYOUT, world_size=4, dump=tmp_path / "one_node", steps=STEPS)
+    print("2 nodes x 2 ranks losses:", " ".join(f"{x:.6f}" for x in losses(two_nodes)))
+    print("1 node x 4 ranks losses: ", " ".join(f"{x:.6f}" for x in losses(one_node)))
     assert_losses_match(
         losses(one_node), losses(two_nodes), rtol=1e-5, label="2 nodes x 2 vs 1 x 4"
     )

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from torch.distributed.launcher.api import LaunchConfig
 from torch.distributed.pipelining import PipelineStage
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "TORCH_VERSION",
     "PIPELINE_STAGE_GET_MESH",
     "TORCHAO_FOR_TORCH",
+    "TORCHRUN_SHUTDOWN_TIMEOUT",
     "all_gather_autograd",
     "pipeline_dtensor_unsupported_reason",
     "v_schedule_unsupported_reason",
@@ -112,6 +114,15 @@ V_SCHEDULES_MIN_TORCH = (2, 13)
 def v_schedule_unsupported_reason(schedule: str) -> str | None:
     """Why the V-shaped ``schedule`` cannot run on the installed torch, or None."""
     return require(f"the V-shaped pipeline schedule {schedule}", V_SCHEDULES_MIN_TORCH)
+
+
+# ---- how long torchrun's agent waits for its ranks after forwarding a signal (then SIGKILL)
+# torch 2.13+: torchrun takes ``--shutdown-timeout`` (default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else
+# 30 s) and hands it to its agent. torch 2.11: no such option and no variable: the agent closes
+# its ranks with ``PContext.close``'s default timeout, a fixed 30 s, too short for a large
+# checkpoint save. ``torchtitan.launch`` takes the option itself there and makes it that default
+# (torchtitan/launch.py). Detected from torchrun's launch config, not the version (2.12 unchecked).
+TORCHRUN_SHUTDOWN_TIMEOUT = "shutdown_timeout" in inspect.signature(LaunchConfig).parameters
 
 
 # ---- torchao (float8 training): each torchao release is built against one torch minor release.
