@@ -54,6 +54,78 @@ def precompute_freqs_cis(
     return torch.polar(torch.ones_like(angles), angles)
 
 
+def yarn_inv_freq(
+    head_dim: int,
+    theta: float,
+    factor: float,
+    original_max_seq_len: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """YaRN ("NTK-by-parts") inverse frequencies, ``float32 [head_dim // 2]`` (Peng et al. 2023,
+    arXiv:2309.00071, section 3.2; docs/gpt_oss.md).
+
+    Dimension pair ``i`` rotates ``L / wavelength_i`` times over the original context ``L``. Pairs
+    turning more than ``beta_fast`` times keep their frequency (extrapolation), pairs turning
+    fewer than ``beta_slow`` times are divided by ``factor`` (interpolation), and a linear ramp
+    over the pair index blends the two in between. The ramp's ends are the (fractional) pair
+    indices where the rotation counts equal ``beta_fast`` / ``beta_slow``, rounded outward when
+    ``truncate`` and clipped to ``[0, head_dim - 1]``.
+    """
+    half = head_dim // 2
+    base = theta ** (torch.arange(0, head_dim, 2, device=device)[:half].float() / head_dim)
+
+    def pair_index(rotations: float) -> float:  # the i with L / wavelength_i == rotations
+        return (
+            head_dim
+            * math.log(original_max_seq_len / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
+        )
+
+    low, high = pair_index(beta_fast), pair_index(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(half, device=device, dtype=torch.float32) - low) / (high - low)).clamp(
+        0, 1
+    )
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return (1.0 / (factor * base)) * (1 - keep) + (1.0 / base) * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature ``0.1 * mscale * ln(factor) + 1`` (1 when ``factor <= 1``):
+    the factor on cos/sin, so the attention logits scale by its square."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def precompute_yarn_freqs_cis(
+    head_dim: int,
+    end: int,
+    theta: float,
+    factor: float,
+    original_max_seq_len: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+    attention_factor: float | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The RoPE table with YaRN frequencies (:func:`yarn_inv_freq`), each entry of magnitude
+    ``attention_factor`` (default :func:`yarn_mscale` of ``factor``): ``complex64 [end,
+    head_dim // 2]``, used like :func:`precompute_freqs_cis`'s."""
+    freqs = yarn_inv_freq(
+        head_dim, theta, factor, original_max_seq_len, beta_fast, beta_slow, truncate, device
+    )
+    scale = yarn_mscale(factor) if attention_factor is None else attention_factor
+    angles = torch.outer(torch.arange(end, device=device, dtype=torch.float32), freqs)
+    return torch.polar(torch.full_like(angles, scale), angles)
+
+
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
