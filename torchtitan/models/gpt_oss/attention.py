@@ -137,8 +137,6 @@ class SinkAttentionCore(nn.Module):
 class GptOssAttention(Attention):
     """The shared GQA attention with biased projections and a :class:`SinkAttentionCore`."""
 
-    core: SinkAttentionCore
-
     def __init__(
         self,
         dim: int,
@@ -149,7 +147,9 @@ class GptOssAttention(Attention):
         backend: str,
     ) -> None:
         super().__init__(dim, n_heads, n_kv_heads, head_dim, bias=True)
-        self.core = SinkAttentionCore(n_heads, window, backend)
+        self.core = SinkAttentionCore(n_heads, window, backend)  # type: ignore[assignment]
 
     def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.core.attend_cached(q, k, v)
+        core = self.core
+        assert isinstance(core, SinkAttentionCore), "context parallel cannot swap this core"
+        return core.attend_cached(q, k, v)
