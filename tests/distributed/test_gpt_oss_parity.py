@@ -98,3 +98,37 @@ def test_fsdp2_bitwise_resume(tmp_path: Path) -> None:
         straight / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6"
     )
     print(f"GPT-OSS FSDP 2: 3 steps + resume + 3 steps == 6 steps; {n} entries identical")
+
+
+@pytest.mark.slow
+def test_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    overrides = ["--parallelism.pipeline_parallel_degree", "2", LB, "8"]
+    overrides += ["--parallelism.pipeline_parallel_schedule", "1F1B"]
+    _compare(tmp_path_factory, tmp_path, 2, overrides, "GPT-OSS PP 2")
+
+
+@pytest.mark.slow
+def test_compile_and_full_ac(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """Per-block compile (the routed experts run eagerly in fp32: one graph break per block)
+    with full activation checkpointing, on one process."""
+    from tests.distributed.test_compile_float8 import COMPILE
+
+    ref = losses(_reference((), tmp_path_factory))
+    overrides = [*COMPILE, "--activation_checkpoint.mode", "full", LB, "8"]
+    got = losses(train_metrics([*MODEL, *overrides], 1, tmp_path, STEPS))
+    worst = assert_losses_match(ref, got, rtol=1e-5, label="GPT-OSS compile + full AC")
+    assert worst > 0, "compiled losses equal eager bitwise: was anything compiled?"
+
+
+@pytest.mark.slow
+def test_float8_trains_close_to_fp32(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Float8 (emulated on CPU) converts the biased attention projections only (the MoE layer
+    is exempt): within float8's tolerance of fp32, not equal to it."""
+    from tests.distributed.test_compile_float8 import FLOAT8, FLOAT8_RTOL
+
+    ref = losses(_reference((), tmp_path_factory))
+    got = losses(train_metrics([*MODEL, *FLOAT8, LB, "8"], 1, tmp_path, STEPS))
+    worst = assert_losses_match(ref, got, rtol=FLOAT8_RTOL, label="GPT-OSS float8 vs fp32")
+    assert worst > 1e-6, "float8 losses equal fp32 exactly: were the attention linears converted?"
