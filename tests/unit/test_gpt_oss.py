@@ -181,3 +181,13 @@ def test_greedy_generation_with_cache_equals_without() -> None:
     recomputed = gen.generate(model, prompt, 20, use_cache=False)
     assert torch.equal(cached, recomputed), (cached, recomputed)
     assert len(set(cached[0, 12:].tolist())) > 3, "degenerate continuation"
+
+
+def test_context_parallel_is_refused_in_preflight() -> None:
+    from torchtitan.config import ConfigError, parse_args
+    from torchtitan.preflight.validate import validate_config
+
+    argv = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
+    cfg = parse_args([*argv, "--parallelism.context_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match="does not support context parallel"):
+        validate_config(cfg, world_size=2)

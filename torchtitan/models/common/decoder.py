@@ -33,6 +33,7 @@ from torch import nn
 from torchtitan.distributed.init_weights import ParamInit, init_params_deterministic
 from torchtitan.models.common.attention import AttentionCore, AttentionMask, build_attention_mask
 from torchtitan.models.common.kv_cache import KVCache, LayerKVCache
+from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import apply_rotary_emb, repeat_kv
 
 
@@ -245,12 +246,19 @@ class Decoder(nn.Module, abc.ABC):
         return h
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute ``freqs_cis`` on ``device`` (default: where the buffer is now).
+        """(Re)compute ``freqs_cis`` on ``device`` (default: where the buffer is now) and zero
+        the MoE layers' routing bias and load counters.
 
         Needed after ``to_empty``, which leaves buffers uninitialized.
         """
         target = self.freqs_cis.device if device is None else torch.device(device)
         self.freqs_cis = self._compute_freqs_cis(target)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.router.expert_bias.zero_()
+                module.tokens_per_expert.zero_()
+                module.load_since_log.zero_()
+                module.aux_since_log.zero_()
 
     def _init_depth(self, layer_id: int) -> int:
         """The depth that scales the init of block ``layer_id``'s output projections."""

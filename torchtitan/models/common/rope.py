@@ -49,9 +49,14 @@ def precompute_freqs_cis(
         freqs = _scale_rope_freqs(
             freqs, scaling_factor, low_freq_factor, high_freq_factor, original_max_seq_len
         )
-    positions = torch.arange(end, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, freqs)
-    return torch.polar(torch.ones_like(angles), angles)
+    return rope_table(freqs, end)
+
+
+def rope_table(freqs: torch.Tensor, end: int, magnitude: float = 1.0) -> torch.Tensor:
+    """``complex64 [end, len(freqs)]``: entry ``[p, i]`` is ``magnitude * exp(1j * p *
+    freqs[i])``."""
+    angles = torch.outer(torch.arange(end, device=freqs.device, dtype=torch.float32), freqs)
+    return torch.polar(torch.full_like(angles, magnitude), angles)
 
 
 def yarn_inv_freq(
@@ -122,8 +127,7 @@ def precompute_yarn_freqs_cis(
         head_dim, theta, factor, original_max_seq_len, beta_fast, beta_slow, truncate, device
     )
     scale = yarn_mscale(factor) if attention_factor is None else attention_factor
-    angles = torch.outer(torch.arange(end, device=device, dtype=torch.float32), freqs)
-    return torch.polar(torch.full_like(angles, scale), angles)
+    return rope_table(freqs, end, scale)
 
 
 def apply_rotary_emb(

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from torchtitan.models.common.decoder import BLOCK_INIT, Decoder, TransformerBlock
-from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import precompute_freqs_cis, precompute_yarn_freqs_cis
 from torchtitan.models.gpt_oss.args import GptOssArgs
 from torchtitan.models.gpt_oss.attention import GptOssAttention
@@ -76,14 +75,3 @@ class Transformer(Decoder):
             a.rope_truncate,
             device=device,
         )
-
-    def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """RoPE table on ``device``; the MoE bias and load counters to zero (after
-        ``to_empty``)."""
-        super().init_buffers(device)
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.router.expert_bias.zero_()
-                module.tokens_per_expert.zero_()
-                module.load_since_log.zero_()
-                module.aux_since_log.zero_()
