@@ -191,3 +191,24 @@ def test_context_parallel_is_refused_in_preflight() -> None:
     cfg = parse_args([*argv, "--parallelism.context_parallel_degree", "2"])
     with pytest.raises(ConfigError, match="does not support context parallel"):
         validate_config(cfg, world_size=2)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_kernel_matches_the_eager_path(window: int | None, monkeypatch) -> None:
+    """The CUDA kernel's math on CPU (FlexAttention uncompiled, forward only: torch 2.13 has no
+    CPU backward): the log-sum-exp rescaling by the sinks, the window and the document mask
+    give the eager path's output."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from torchtitan.models.gpt_oss import attention as attn
+
+    monkeypatch.setattr(attn, "_compiled_flex", lambda: flex_attention)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 16, generator=gen) for _ in range(3))
+    sinks = torch.randn(4, generator=gen)
+    doc_ids = (torch.arange(32) >= 20).long().expand(2, 32).contiguous()
+    for docs in (None, doc_ids):
+        pos = torch.arange(32)
+        want = attn.eager_sink_attention(q, k, v, sinks, attn.allowed_keys(pos, pos, window, docs))
+        got = attn.flex_sink_attention(q, k, v, sinks, window, docs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
