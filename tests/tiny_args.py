@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchtitan.models.common.moe import MoEArgs
+from torchtitan.models.common.rope import YarnScaling
 from torchtitan.models.gpt_oss import GptOssArgs
 from torchtitan.models.llama3 import ModelArgs
 from torchtitan.models.qwen3 import Qwen3Args
@@ -54,8 +55,7 @@ def tiny_gpt_oss(window: int = 8, **extra: Any) -> GptOssArgs:
         vocab_size=256,
         max_seq_len=64,
         moe=MoEArgs(num_experts=4, top_k=2, expert_dim=32),
-        rope_factor=4.0,
-        rope_original_max_seq_len=16,
+        yarn=YarnScaling(4.0, 16, truncate=False),
     )
     shape.update(extra)
     return GptOssArgs(sliding_window=window, **shape)

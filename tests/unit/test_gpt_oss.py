@@ -16,7 +16,7 @@ from tests.tiny_args import tiny_gpt_oss
 from torchtitan.checkpoint.storage import read_hf_folder
 from torchtitan.models import MODELS
 from torchtitan.models.common.hf import StateDictAdapter
-from torchtitan.models.common.rope import precompute_yarn_freqs_cis
+from torchtitan.models.common.rope import YarnScaling, precompute_yarn_freqs_cis
 from torchtitan.models.gpt_oss import GPT_OSS_FLAVORS, GptOssArgs, Transformer
 from torchtitan.models.gpt_oss.hf import GPT_OSS_HF, args_from_hf_config
 
@@ -63,7 +63,8 @@ def test_yarn_matches_transformers(truncate: bool) -> None:
         hidden_size=2880, num_attention_heads=64, head_dim=64, rope_parameters=rope
     )
     inv_freq, scale = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
-    ours = precompute_yarn_freqs_cis(64, 2, 150000.0, 32.0, 4096, 32.0, 1.0, truncate)
+    yarn = YarnScaling(32.0, 4096, beta_fast=32.0, beta_slow=1.0, truncate=truncate)
+    ours = precompute_yarn_freqs_cis(64, 2, 150000.0, yarn)
     torch.testing.assert_close(ours[1].angle(), inv_freq, rtol=1e-6, atol=0)
     torch.testing.assert_close(ours.abs(), torch.full_like(ours.abs(), scale))
 
@@ -96,7 +97,7 @@ def _ours_from(hf, tmp_path: Path) -> tuple[Transformer, GptOssArgs]:
 def test_import_matches_transformers_logits_loss_and_grads(tmp_path: Path) -> None:
     hf = _hf_model(TINY, seed=0)
     ours, args = _ours_from(hf, tmp_path)
-    assert args.layer_types == TINY.layer_types and args.rope_factor == TINY.rope_factor
+    assert args.layer_types == TINY.layer_types and args.yarn == TINY.yarn
     tokens, labels = _tokens(), _tokens().roll(1, dims=1)
     logits, hf_logits = ours(tokens), hf(tokens).logits
     diff = (logits - hf_logits).abs().max().item()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from torchtitan.models.common.args import DecoderArgsBase
 from torchtitan.models.common.moe import MoEArgs
+from torchtitan.models.common.rope import YarnScaling
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -48,13 +49,9 @@ class GptOssArgs(DecoderArgsBase):
     layer_types: tuple[str, ...] | None = None
     """``sliding_attention`` / ``full_attention`` per block; None: :func:`alternating_layers`."""
 
-    rope_factor: float = 32.0
-    """YaRN context-extension factor (1: plain RoPE)."""
-    rope_original_max_seq_len: int = 4096
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_truncate: bool = False
-    """Round the YaRN ramp's ends to whole dimension pairs (the published model does not)."""
+    yarn: YarnScaling | None = YarnScaling(32.0, 4096, truncate=False)
+    """YaRN RoPE (``models/common/rope.py``); None: plain RoPE. Published: factor 32 over an
+    original context of 4096, betas 32 / 1, no truncation of the ramp."""
 
     swiglu_limit: float = 7.0
     """Experts clamp the gate to at most this, the up projection to +-this."""
@@ -126,8 +123,7 @@ _DEBUG = GptOssArgs(
     max_seq_len=2048,
     moe=MoEArgs(num_experts=8, top_k=2, expert_dim=128),
     sliding_window=32,
-    rope_original_max_seq_len=256,
-    rope_factor=8.0,
+    yarn=YarnScaling(8.0, 256, truncate=False),
 )
 _20B = GptOssArgs()
 
@@ -138,6 +134,6 @@ GPT_OSS_FLAVORS: dict[str, GptOssArgs] = {
     "120b": replace(_20B, n_layers=36, moe=replace(_20B.moe, num_experts=128)),
 }
 """The named shapes. The trainer replaces ``vocab_size`` (tokenizer) and ``max_seq_len``
-(``training.seq_len``); YaRN reads only ``rope_original_max_seq_len``."""
+(``training.seq_len``); YaRN reads only its own ``original_max_seq_len``."""
 
 __all__ = ["FULL", "GPT_OSS_FLAVORS", "SLIDING", "GptOssArgs", "alternating_layers"]

@@ -30,6 +30,7 @@ from torchtitan.models.common.hf.decoder import (
 )
 from torchtitan.models.common.hf.mapping import half_split_rows, interleave_rows
 from torchtitan.models.common.moe import MoEArgs
+from torchtitan.models.common.rope import YarnScaling
 from torchtitan.models.gpt_oss.args import GptOssArgs, alternating_layers
 
 
@@ -52,15 +53,18 @@ class _ShapeSection:
     def to_hf(self, a: GptOssArgs) -> dict[str, Any]:
         m = a.moe
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": a.rope_theta}
-        if a.rope_factor != 1.0:
+        if a.yarn is not None:
+            y = a.yarn
             rope.update(
                 rope_type="yarn",
-                factor=a.rope_factor,
-                beta_fast=a.rope_beta_fast,
-                beta_slow=a.rope_beta_slow,
-                truncate=a.rope_truncate,
-                original_max_position_embeddings=a.rope_original_max_seq_len,
+                factor=y.factor,
+                beta_fast=y.beta_fast,
+                beta_slow=y.beta_slow,
+                truncate=y.truncate,
+                original_max_position_embeddings=y.original_max_seq_len,
             )
+            if y.attention_factor is not None:
+                rope["attention_factor"] = y.attention_factor
         return {
             "layer_types": list(a.layer_types or alternating_layers(a.n_layers)),
             "rope_parameters": rope,
@@ -88,18 +92,20 @@ class _ShapeSection:
         types = tuple(config.get("layer_types") or ())
         if types and types != alternating_layers(config["num_hidden_layers"]):
             kwargs["layer_types"] = types  # None stands for the published alternation
-        if rope.get("rope_type", "default") == "yarn":
-            kwargs.update(
-                rope_factor=float(rope["factor"]),
-                rope_beta_fast=float(rope.get("beta_fast") or 32.0),
-                rope_beta_slow=float(rope.get("beta_slow") or 1.0),
-                rope_truncate=bool(rope.get("truncate", True)),
-                rope_original_max_seq_len=int(rope["original_max_position_embeddings"]),
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "yarn":
+            kwargs["yarn"] = YarnScaling(
+                factor=float(rope["factor"]),
+                original_max_seq_len=int(rope["original_max_position_embeddings"]),
+                beta_fast=float(rope.get("beta_fast") or 32.0),
+                beta_slow=float(rope.get("beta_slow") or 1.0),
+                truncate=bool(rope.get("truncate", True)),
+                attention_factor=rope.get("attention_factor"),
             )
-        elif rope.get("rope_type", "default") == "default":
-            kwargs["rope_factor"] = 1.0
+        elif rope_type == "default":
+            kwargs["yarn"] = None
         else:
-            raise ValueError(f"GPT-OSS: rope_type {rope['rope_type']!r} is not supported")
+            raise ValueError(f"GPT-OSS: rope_type {rope_type!r} is not supported")
         return kwargs
 
 

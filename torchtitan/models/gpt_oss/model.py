@@ -62,16 +62,6 @@ class Transformer(Decoder):
 
     def _compute_freqs_cis(self, device: torch.device | str | None) -> torch.Tensor:
         a = self.args
-        if a.rope_factor == 1.0:
+        if a.yarn is None:
             return precompute_freqs_cis(a.head_dim, a.max_seq_len, a.rope_theta, device=device)
-        return precompute_yarn_freqs_cis(
-            a.head_dim,
-            a.max_seq_len,
-            a.rope_theta,
-            a.rope_factor,
-            a.rope_original_max_seq_len,
-            a.rope_beta_fast,
-            a.rope_beta_slow,
-            a.rope_truncate,
-            device=device,
-        )
+        return precompute_yarn_freqs_cis(a.head_dim, a.max_seq_len, a.rope_theta, a.yarn, device)
