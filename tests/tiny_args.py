@@ -44,8 +44,8 @@ def tiny_llama3(
 
 def tiny_gpt_oss(window: int = 8, **extra: Any) -> GptOssArgs:
     """Three blocks (sliding, full, sliding; ``window`` keys) of 4 query / 2 key-value heads of
-    16 channels, 4 experts of width 32 (top-2), YaRN (factor 4 over 16 original positions) and
-    a 64-position table unless ``extra`` says otherwise."""
+    16 channels, 4 experts of width 32 (top-2) clamping at 0.5, YaRN (factor 4 over 16 original
+    positions) and a 64-position table unless ``extra`` says otherwise."""
     shape: dict[str, Any] = dict(
         dim=64,
         n_layers=3,
@@ -56,6 +56,7 @@ def tiny_gpt_oss(window: int = 8, **extra: Any) -> GptOssArgs:
         max_seq_len=64,
         moe=MoEArgs(num_experts=4, top_k=2, expert_dim=32),
         yarn=YarnScaling(4.0, 16, truncate=False),
+        swiglu_limit=0.5,  # tiny activations: a clamp that cuts (7.0 published)
     )
     shape.update(extra)
     return GptOssArgs(sliding_window=window, **shape)
