@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchtitan.models.common.moe import MoEArgs
+from torchtitan.models.common.rope import YarnScaling
+from torchtitan.models.gpt_oss import GptOssArgs
 from torchtitan.models.llama3 import ModelArgs
 from torchtitan.models.qwen3 import Qwen3Args
 
@@ -37,3 +40,23 @@ def tiny_llama3(
     shape.update(extra)
     n_heads, n_kv_heads = heads
     return ModelArgs(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=vocab, **shape)
+
+
+def tiny_gpt_oss(window: int = 8, **extra: Any) -> GptOssArgs:
+    """Three blocks (sliding, full, sliding; ``window`` keys) of 4 query / 2 key-value heads of
+    16 channels, 4 experts of width 32 (top-2) clamping at 0.5, YaRN (factor 4 over 16 original
+    positions) and a 64-position table unless ``extra`` says otherwise."""
+    shape: dict[str, Any] = dict(
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_seq_len=64,
+        moe=MoEArgs(num_experts=4, top_k=2, expert_dim=32),
+        yarn=YarnScaling(4.0, 16, truncate=False),
+        swiglu_limit=0.5,  # tiny activations: a clamp that cuts (7.0 published)
+    )
+    shape.update(extra)
+    return GptOssArgs(sliding_window=window, **shape)

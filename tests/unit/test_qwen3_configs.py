@@ -1,7 +1,7 @@
-"""train_configs/qwen3_*.toml validate at their published world sizes and build through the full
-parallelize path on the fake backend (one process plays one rank; nothing is materialized):
-every parameter is an FSDP-sharded DTensor and the rank holds its share of the closed-form
-parameter count."""
+"""train_configs/qwen3_*.toml and gpt_oss_20b.toml validate at their published world sizes and
+build through the full parallelize path on the fake backend (one process plays one rank; nothing
+is materialized): every parameter is an FSDP-sharded DTensor and the rank holds its share of
+the closed-form parameter count."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ VOCAB = 128256  # what _build_rank gives the model
 
 
 @pytest.mark.parametrize(
-    ("name", "world", "rank"), [("qwen3_8b.toml", 8, 3), ("qwen3_30b_a3b.toml", 16, 11)]
+    ("name", "world", "rank"),
+    [("qwen3_8b.toml", 8, 3), ("qwen3_30b_a3b.toml", 16, 11), ("gpt_oss_20b.toml", 8, 5)],
 )
 def test_qwen3_config_builds(fake_rank: None, name: str, world: int, rank: int) -> None:  # noqa: F811
     cfg = _load(name, world)
@@ -34,8 +35,9 @@ def test_qwen3_config_builds(fake_rank: None, name: str, world: int, rank: int) 
             chunk = math.ceil(n0 / fsdp)
             rows = max(0, min(chunk, n0 - dims.coordinates()["dp_shard"] * chunk))
             want += rows * (p.numel() // n0)
-    args = runtime_args(MODELS["qwen3"], cfg.model.flavor, VOCAB, cfg.training.seq_len)
-    total = MODELS["qwen3"].num_params(args)
+    spec = MODELS[cfg.model.name]
+    args = runtime_args(spec, cfg.model.flavor, VOCAB, cfg.training.seq_len)
+    total = spec.num_params(args)
     print(f"{name} rank {rank}: {local:,} of {total:,} parameters")
     assert local == want
     assert abs(local - total / fsdp) / (total / fsdp) < 0.01

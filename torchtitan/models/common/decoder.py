@@ -33,6 +33,7 @@ from torch import nn
 from torchtitan.distributed.init_weights import ParamInit, init_params_deterministic
 from torchtitan.models.common.attention import AttentionCore, AttentionMask, build_attention_mask
 from torchtitan.models.common.kv_cache import KVCache, LayerKVCache
+from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import apply_rotary_emb, repeat_kv
 
 
@@ -49,7 +50,8 @@ class DecoderArgs(Protocol):
 
 class Attention(nn.Module):
     """Multi-head attention with grouped-query key/value heads and rotary embeddings; with
-    ``qk_norm_eps`` set, queries and keys get a per-head RMSNorm before RoPE (QK-norm)."""
+    ``qk_norm_eps`` set, queries and keys get a per-head RMSNorm before RoPE (QK-norm); ``bias``
+    gives the four projections biases (GPT-OSS)."""
 
     def __init__(
         self,
@@ -58,13 +60,14 @@ class Attention(nn.Module):
         n_kv_heads: int,
         head_dim: int,
         qk_norm_eps: float | None = None,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.wq = nn.Linear(dim, n_heads * head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
         self.q_norm: nn.RMSNorm | None = None
         self.k_norm: nn.RMSNorm | None = None
         if qk_norm_eps is not None:
@@ -93,8 +96,13 @@ class Attention(nn.Module):
         q = xq.transpose(1, 2)
         k = repeat_kv(xk, n_rep).transpose(1, 2)
         v = repeat_kv(xv, n_rep).transpose(1, 2)
-        out = self.core(q, k, v, mask) if cache is None else cache.attend(q, k, v)  # [B, H, S, Dh]
-        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
+        out = self.core(q, k, v, mask) if cache is None else self.attend_cached(q, k, v)
+        return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))  # out: [B, H, S, Dh]
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Generation: the newest queries over every cached key (``kv_cache.py``); a family
+        whose core is not plain causal attention overrides it."""
+        return LayerKVCache.attend(q, k, v)
 
 
 class FeedForward(nn.Module):
@@ -133,7 +141,8 @@ class TransformerBlock(nn.Module):
 
 
 # Parameter-name suffix inside a block -> init kind: "in" (std 0.02), "out" (depth-scaled),
-# "one" (norm weights). The MoE entries are the shared layer's (models/common/moe.py).
+# "one" (norm weights), "zero" (biases). The MoE entries are the shared layer's
+# (models/common/moe.py).
 BLOCK_INIT: Mapping[str, str] = {
     "attention.wq.weight": "in",
     "attention.wk.weight": "in",
@@ -237,12 +246,19 @@ class Decoder(nn.Module, abc.ABC):
         return h
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """(Re)compute ``freqs_cis`` on ``device`` (default: where the buffer is now).
+        """(Re)compute ``freqs_cis`` on ``device`` (default: where the buffer is now) and zero
+        the MoE layers' routing bias and load counters.
 
         Needed after ``to_empty``, which leaves buffers uninitialized.
         """
         target = self.freqs_cis.device if device is None else torch.device(device)
         self.freqs_cis = self._compute_freqs_cis(target)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.router.expert_bias.zero_()
+                module.tokens_per_expert.zero_()
+                module.load_since_log.zero_()
+                module.aux_since_log.zero_()
 
     def _init_depth(self, layer_id: int) -> int:
         """The depth that scales the init of block ``layer_id``'s output projections."""
@@ -263,6 +279,8 @@ class Decoder(nn.Module, abc.ABC):
         kind = self.block_init.get(parts[2]) if len(parts) == 3 and parts[0] == "layers" else None
         if kind == "one":
             return ParamInit("ones")
+        if kind == "zero":
+            return ParamInit("zeros")
         if kind == "in":
             return ParamInit("trunc_normal", std=0.02)
         if kind == "out":

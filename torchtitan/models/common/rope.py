@@ -4,6 +4,7 @@ the rotation of query/key channel pairs, and the grouped-query repeat of key/val
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -49,9 +50,77 @@ def precompute_freqs_cis(
         freqs = _scale_rope_freqs(
             freqs, scaling_factor, low_freq_factor, high_freq_factor, original_max_seq_len
         )
-    positions = torch.arange(end, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, freqs)
-    return torch.polar(torch.ones_like(angles), angles)
+    return rope_table(freqs, end)
+
+
+def rope_table(freqs: torch.Tensor, end: int, magnitude: float = 1.0) -> torch.Tensor:
+    """``complex64 [end, len(freqs)]``: entry ``[p, i]`` is ``magnitude * exp(1j * p *
+    freqs[i])``."""
+    angles = torch.outer(torch.arange(end, device=freqs.device, dtype=torch.float32), freqs)
+    return torch.polar(torch.full_like(angles, magnitude), angles)
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN ("NTK-by-parts") context extension of RoPE (Peng et al. 2023, arXiv:2309.00071,
+    section 3.2; docs/gpt_oss.md), Hugging Face's ``rope_type: yarn`` fields.
+
+    Dimension pair ``i`` rotates ``L / wavelength_i`` times over the original context ``L``. Pairs
+    turning more than ``beta_fast`` times keep their frequency (extrapolation), pairs turning
+    fewer than ``beta_slow`` times are divided by ``factor`` (interpolation), and a linear ramp
+    over the pair index blends the two in between. The ramp's ends are the (fractional) pair
+    indices where the rotation counts equal ``beta_fast`` / ``beta_slow``, rounded outward when
+    ``truncate`` and clipped to ``[0, head_dim - 1]``. Cos and sin are scaled by
+    ``attention_factor`` (default ``0.1 * ln(factor) + 1``), so the attention logits by its
+    square.
+    """
+
+    factor: float
+    original_max_seq_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    @property
+    def magnitude(self) -> float:
+        """The factor on cos/sin."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+    def inv_freq(
+        self, head_dim: int, theta: float, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """The scaled inverse frequencies, ``float32 [head_dim // 2]``."""
+        half = head_dim // 2
+        base = theta ** (torch.arange(0, head_dim, 2, device=device)[:half].float() / head_dim)
+
+        def pair_index(rotations: float) -> float:  # the i with L / wavelength_i == rotations
+            turns = self.original_max_seq_len / (rotations * 2 * math.pi)
+            return head_dim * math.log(turns) / (2 * math.log(theta))
+
+        low, high = pair_index(self.beta_fast), pair_index(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # a ramp of zero width would divide by zero
+        index = torch.arange(half, device=device, dtype=torch.float32)
+        keep = 1 - ((index - low) / (high - low)).clamp(0, 1)  # 1: extrapolate, 0: interpolate
+        return (1.0 / (self.factor * base)) * (1 - keep) + (1.0 / base) * keep
+
+
+def precompute_yarn_freqs_cis(
+    head_dim: int,
+    end: int,
+    theta: float,
+    yarn: YarnScaling,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The RoPE table with YaRN frequencies and magnitude (:class:`YarnScaling`):
+    ``complex64 [end, head_dim // 2]``, used like :func:`precompute_freqs_cis`'s."""
+    return rope_table(yarn.inv_freq(head_dim, theta, device), end, yarn.magnitude)
 
 
 def apply_rotary_emb(

@@ -47,14 +47,3 @@ class Transformer(Decoder):
     def _compute_freqs_cis(self, device: torch.device | str | None) -> torch.Tensor:
         a = self.args
         return precompute_freqs_cis(a.head_dim, a.max_seq_len, theta=a.rope_theta, device=device)
-
-    def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """RoPE table on ``device``; the MoE bias and load counters to zero (after
-        ``to_empty``)."""
-        super().init_buffers(device)
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.router.expert_bias.zero_()
-                module.tokens_per_expert.zero_()
-                module.load_since_log.zero_()
-                module.aux_since_log.zero_()

@@ -1,0 +1,155 @@
+"""GPT-OSS attention: learned per-head sinks and an optional sliding window (docs/gpt_oss.md).
+
+A sink is one extra logit per head in every query's softmax with no value behind it: the
+weights of the real keys sum to ``Z / (Z + exp(sink))`` (``Z`` the sum over the keys), so a head
+can attend to nothing. The window keeps key ``j`` for query ``i`` when ``0 <= i - j < window``.
+Both compose with the block-causal document mask (``models/common/attention.py``).
+
+Two kernels compute the same function:
+
+* ``eager`` (any device, the exact path with backward everywhere): scores, the mask (causal,
+  window, documents) as ``-inf``, the sink column appended, softmax, the sink column dropped;
+* ``flex`` (CUDA): FlexAttention over a ``BlockMask`` of the same mask, returning the log-sum-exp
+  ``L`` of each query's scores; the sink then rescales the output by ``Z / (Z + exp(sink)) =
+  sigmoid(L - sink)``.
+
+The sinks live in the core (``attention.core.sinks``) so that tensor parallel shards them with
+their heads (``parallel_plan.py``: ``ShardHeads``); the core sees this rank's heads only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.models.common.attention import AttentionMask, document_causal_mask_mod
+from torchtitan.models.common.decoder import Attention
+from torchtitan.models.common.moe_experts import local_weight
+
+__all__ = ["GptOssAttention", "SinkAttentionCore", "allowed_keys"]
+
+
+def allowed_keys(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, doc_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """Bool ``[B or 1, 1, Lq, Lk]``: key ``k_pos[j]`` visible to query ``q_pos[i]`` (causal,
+    within ``window`` when set, same document when ``doc_ids`` (``[B, S]``) are given)."""
+    dist = q_pos[:, None] - k_pos[None, :]
+    keep = dist >= 0
+    if window is not None:
+        keep = keep & (dist < window)
+    keep = keep[None, None]
+    if doc_ids is not None:
+        same = doc_ids[:, q_pos][:, :, None] == doc_ids[:, k_pos][:, None, :]
+        keep = keep & same[:, None]
+    return keep
+
+
+def eager_sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
+    """``[B, H, Lq, Dh]``: softmax over the visible keys' scores and each head's sink logit."""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~keep, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
+
+
+@functools.cache
+def _compiled_flex() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+def _mask_mod(window: int | None, doc_ids: torch.Tensor | None) -> Any:
+    document = None if doc_ids is None else document_causal_mask_mod(doc_ids)
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        keep = kv_idx <= q_idx if document is None else document(b, h, q_idx, kv_idx)
+        return keep if window is None else keep & (q_idx - kv_idx < window)
+
+    return mask_mod
+
+
+def flex_sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    window: int | None,
+    doc_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """FlexAttention (compiled) with the window/document mask, then the sinks' rescaling."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, seq = q.shape[0], q.shape[2]
+    block = create_block_mask(
+        _mask_mod(window, doc_ids), None if doc_ids is None else batch, None, seq, seq, q.device
+    )
+    out, lse = _compiled_flex()(q, k, v, block_mask=block, return_lse=True)
+    gate = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))
+    return out * gate[..., None].to(out.dtype)
+
+
+class SinkAttentionCore(nn.Module):
+    """``q, k, v`` (``[B, H, S, Dh]``, K/V heads repeated) -> attention with this core's sinks
+    and window; ``backend`` ``flex`` uses FlexAttention, anything else the eager exact path."""
+
+    def __init__(self, n_heads: int, window: int | None, backend: str = "sdpa") -> None:
+        super().__init__()
+        self.window = window
+        self.backend = backend
+        self.sinks = nn.Parameter(torch.empty(n_heads))
+
+    def local_sinks(self) -> torch.Tensor:
+        """This rank's heads' sinks (a ``Shard(0)`` DTensor under tensor parallel)."""
+        return local_weight(self.sinks)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: AttentionMask | None = None,
+    ) -> torch.Tensor:
+        doc_ids = None if mask is None else mask.doc_ids
+        if self.backend == "flex":
+            return flex_sink_attention(q, k, v, self.local_sinks(), self.window, doc_ids)
+        pos = torch.arange(q.shape[2], device=q.device)
+        return eager_sink_attention(
+            q, k, v, self.local_sinks(), allowed_keys(pos, pos, self.window, doc_ids)
+        )
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Generation: the newest ``Lq`` queries over all ``Lk`` cached keys (eager path)."""
+        s_q, s_k = q.shape[2], k.shape[2]
+        q_pos = torch.arange(s_k - s_q, s_k, device=q.device)
+        k_pos = torch.arange(s_k, device=q.device)
+        keep = allowed_keys(q_pos, k_pos, self.window, None)
+        return eager_sink_attention(q, k, v, self.local_sinks(), keep)
+
+
+class GptOssAttention(Attention):
+    """The shared GQA attention with biased projections and a :class:`SinkAttentionCore`."""
+
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        window: int | None,
+        backend: str,
+    ) -> None:
+        super().__init__(dim, n_heads, n_kv_heads, head_dim, bias=True)
+        self.core = SinkAttentionCore(n_heads, window, backend)  # type: ignore[assignment]
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        core = self.core
+        assert isinstance(core, SinkAttentionCore), "context parallel cannot swap this core"
+        return core.attend_cached(q, k, v)

@@ -1,0 +1,175 @@
+"""GPT-OSS's Hugging Face format (``GptOssForCausalLM``), declared for the shared adapter
+(``models/common/hf/``; docs/extending.md, section 5; docs/gpt_oss.md):
+
+- the Llama-style names plus the projection biases, ``self_attn.sinks`` (ours
+  ``attention.core.sinks``) and the router (``mlp.router.weight``/``bias``);
+- ``wq``/``wk`` rows and their biases permuted between our adjacent-pair RoPE and HF's halves;
+- the experts are stored as HF holds them (``mlp.experts.gate_up_proj [E, dim, 2H]`` with gate
+  and up interleaved, its bias, ``down_proj [E, H, dim]``, its bias): renamed, not transformed;
+- the auxiliary-loss-free routing bias has no HF counterpart: it must be zero to export;
+- ``config.json``: ``layer_types``, ``sliding_window``, the YaRN ``rope_parameters``, the
+  experts' fields and the SwiGLU clamp. MXFP4-quantized checkpoints (the published
+  ``*_blocks``/``*_scales`` tensors) are refused: dequantize them with transformers first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchtitan.models.common.hf import ConfigField, HFConfig, HFMapping, OursOnly
+from torchtitan.models.common.hf.decoder import (
+    ATTENTION,
+    BLOCK_NORMS,
+    DECODER_TOP,
+    ROPE_QK,
+    decoder_fields,
+)
+from torchtitan.models.common.hf.mapping import half_split_rows, interleave_rows
+from torchtitan.models.common.moe import MoEArgs
+from torchtitan.models.common.rope import YarnScaling
+from torchtitan.models.gpt_oss.args import GptOssArgs, alternating_layers
+
+
+@dataclass(frozen=True)
+class RopeBias:
+    """A ``wq``/``wk`` bias, ``[heads * head_dim]``: its entries follow the rows' RoPE order."""
+
+    heads: str
+
+    def to_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor:
+        return half_split_rows(w[:, None], getattr(args, self.heads))[:, 0]
+
+    def from_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor:
+        return interleave_rows(w[:, None], getattr(args, self.heads))[:, 0]
+
+
+class _ShapeSection:
+    """``layer_types``, YaRN ``rope_parameters``, the experts' fields."""
+
+    def to_hf(self, a: GptOssArgs) -> dict[str, Any]:
+        m = a.moe
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": a.rope_theta}
+        if a.yarn is not None:
+            y = a.yarn
+            rope.update(
+                rope_type="yarn",
+                factor=y.factor,
+                beta_fast=y.beta_fast,
+                beta_slow=y.beta_slow,
+                truncate=y.truncate,
+                original_max_position_embeddings=y.original_max_seq_len,
+            )
+            if y.attention_factor is not None:
+                rope["attention_factor"] = y.attention_factor
+        return {
+            "layer_types": list(a.layer_types or alternating_layers(a.n_layers)),
+            "rope_parameters": rope,
+            "num_local_experts": m.num_experts,
+            "num_experts_per_tok": m.top_k,
+            "intermediate_size": m.expert_dim,
+            "router_aux_loss_coef": m.aux_loss_coef,
+        }
+
+    def from_hf(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        if config.get("quantization_config"):
+            raise ValueError(
+                "quantized GPT-OSS checkpoint (MXFP4 *_blocks/*_scales): dequantize it with "
+                "transformers (Mxfp4Config(dequantize=True)) and save it in bf16 first"
+            )
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        kwargs: dict[str, Any] = {
+            "moe": MoEArgs(
+                num_experts=int(config.get("num_local_experts") or config["num_experts"]),
+                top_k=config["num_experts_per_tok"],
+                expert_dim=config["intermediate_size"],
+                aux_loss_coef=config.get("router_aux_loss_coef", 0.0),
+            )
+        }
+        types = tuple(config.get("layer_types") or ())
+        if types and types != alternating_layers(config["num_hidden_layers"]):
+            kwargs["layer_types"] = types  # None stands for the published alternation
+        rope_type = rope.get("rope_type", "default")
+        if rope_type == "yarn":
+            kwargs["yarn"] = YarnScaling(
+                factor=float(rope["factor"]),
+                original_max_seq_len=int(rope["original_max_position_embeddings"]),
+                beta_fast=float(rope.get("beta_fast") or 32.0),
+                beta_slow=float(rope.get("beta_slow") or 1.0),
+                truncate=bool(rope.get("truncate", True)),
+                attention_factor=rope.get("attention_factor"),
+            )
+        elif rope_type == "default":
+            kwargs["yarn"] = None
+        else:
+            raise ValueError(f"GPT-OSS: rope_type {rope_type!r} is not supported")
+        return kwargs
+
+
+_CONFIG = HFConfig(
+    make_args=GptOssArgs,
+    constants={
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "hidden_act": "silu",
+        "attention_bias": True,
+    },
+    fields=(
+        *decoder_fields(kv_heads=8, norm_eps=1e-5, rope_theta=150000.0, max_seq_len=131072),
+        ConfigField("head_dim", "head_dim", default=64),
+        ConfigField("sliding_window", "sliding_window", default=128),
+        ConfigField("swiglu_limit", "swiglu_limit", default=7.0),
+        ConfigField("swiglu_alpha", "swiglu_alpha", default=1.702),
+    ),
+    sections=(_ShapeSection(),),
+)
+
+_BIASES = {
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.wo.bias": "self_attn.o_proj.bias",
+}
+_EXPERTS = {
+    f"feed_forward.experts.{name}": f"mlp.experts.{name}"
+    for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+}
+_NO_BIAS = (
+    "auxiliary-loss-free balancing; Hugging Face's GPT-OSS has no such bias (its router's "
+    "bias is trained), the exported model would route differently"
+)
+
+GPT_OSS_HF = HFMapping(
+    top=DECODER_TOP,
+    layer={
+        **ATTENTION,
+        **_BIASES,
+        "attention.core.sinks": "self_attn.sinks",
+        **BLOCK_NORMS,
+        "feed_forward.router.gate.weight": "mlp.router.weight",
+        "feed_forward.router.gate.bias": "mlp.router.bias",
+        **_EXPERTS,
+    },
+    transforms={
+        **ROPE_QK,
+        "attention.wq.bias": RopeBias("n_heads"),
+        "attention.wk.bias": RopeBias("kv_heads"),
+    },
+    ours_only={
+        "feed_forward.router.expert_bias": OursOnly("feed_forward.router.gate.weight", _NO_BIAS)
+    },
+    config=_CONFIG,
+)
+"""GPT-OSS <-> ``GptOssForCausalLM``."""
+
+
+def args_from_hf_config(config: Mapping[str, Any]) -> GptOssArgs:
+    """Our args for a Hugging Face GPT-OSS ``config.json``."""
+    args: GptOssArgs = GPT_OSS_HF.config.args_from_hf(config)
+    return args
+
+
+__all__ = ["GPT_OSS_HF", "RopeBias", "args_from_hf_config"]
