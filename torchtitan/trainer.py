@@ -217,6 +217,7 @@ class Trainer:
             device_type=self.device.type,
             output=plan.tensor_parallel.output,
             embedding=plan.embedding,
+            strict=not self.parallel_dims.pp_enabled,  # a stage may hold none of a rule's
         )
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer,

@@ -1,8 +1,7 @@
 """The job configuration: one dataclass per TOML section, a docstring on every field.
 
-The attribute docstrings are read by ``torchtitan.config.manager`` and become ``--help`` and
-``docs/config.md``; keep each one a sentence or two that says what the field does and its units.
-Cross-field rules live in ``torchtitan.preflight.validate``.
+The attribute docstrings become ``--help`` and ``docs/config.md`` (``torchtitan.config.manager``);
+keep each a sentence or two: what the field does, its units. Cross-field rules: ``preflight/``.
 """
 
 from __future__ import annotations

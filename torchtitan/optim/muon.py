@@ -82,7 +82,8 @@ class Muon(torch.optim.Optimizer):
         scale: str = "match_rms_adamw",
         adam_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
+        defaults: dict[str, Any] = dict(lr=lr, weight_decay=weight_decay, momentum=momentum)
+        defaults.update(nesterov=nesterov)
         defaults.update(ns_steps=ns_steps, scale=scale, algorithm="adamw")
         super().__init__(param_groups, defaults)
         for g in self.param_groups:

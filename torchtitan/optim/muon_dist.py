@@ -40,9 +40,7 @@ def _matrix_sharded(p: Placement, ndim: int) -> bool:
 
 
 def _stays_local(u: torch.Tensor) -> bool:
-    return not isinstance(u, DTensor) or not any(
-        _matrix_sharded(p, u.ndim) for p in u.placements
-    )
+    return not isinstance(u, DTensor) or not any(_matrix_sharded(p, u.ndim) for p in u.placements)
 
 
 def _rewrap(local: torch.Tensor, like: DTensor) -> DTensor:

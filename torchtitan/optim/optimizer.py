@@ -55,6 +55,7 @@ def build_optimizer(
     device_type: str = "cpu",
     output: str | None = None,
     embedding: str | None = None,
+    strict: bool = True,
 ) -> torch.optim.Optimizer:
     """One optimizer over the parameters of every model part (pipeline stages on this rank),
     one torch param group per distinct (update rule, lr multiplier, weight decay).
@@ -63,7 +64,7 @@ def build_optimizer(
     use it (e.g. a mix of plain tensors and DTensors), ``foreach`` is used and the reason logged.
     """
     named = named_params(model_parts, output, embedding)
-    groups = build_param_groups(named, o.groups, o.name, o.lr, o.weight_decay)
+    groups = build_param_groups(named, o.groups, o.name, o.lr, o.weight_decay, strict)
     params = [p for _, p, _ in named]
     betas = (o.beta1, o.beta2)
     if o.name == "Muon":
@@ -88,7 +89,7 @@ def build_optimizer(
             f"stores (a per-parameter loop: implementation={o.implementation} does not apply)"
         )
         return LowPrecisionAdamW(
-            groups,
+            groups,  # type: ignore[arg-type]
             moments_dtype=getattr(torch, o.moments_dtype),
             decoupled=o.name == "AdamW",
             seed=seed,

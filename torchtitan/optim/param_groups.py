@@ -135,7 +135,7 @@ def resolve(
                     f"optimizer.groups[{i}].optimizer",
                     rule.optimizer,
                     f"matches {name}, a {kind} parameter, but Muon takes only {MUON_KINDS}",
-                    f'restrict the rule with kinds = ["matrix", "experts"] or use AdamW',
+                    'restrict the rule with kinds = ["matrix", "experts"] or use AdamW',
                 )
             return Setting(algorithm, rule.lr_mult, wd, f"groups[{i}]"), i
     return Setting(algorithm, 1.0, decay, f"default:{kind}"), None
@@ -147,9 +147,12 @@ def build_param_groups(
     optimizer: str,
     lr: float,
     weight_decay: float,
+    strict: bool = True,
 ) -> list[dict[str, Any]]:
     """torch param groups (one per distinct setting) for ``(name, param, kind)`` triples, in
-    first-seen order; raises ConfigError for a rule that matches no parameter."""
+    first-seen order. ``strict``: a rule that matches no parameter is a ConfigError (off on a
+    pipeline stage, which may hold none of a rule's parameters; preflight checks the whole
+    model, ``preflight/validate_optim.py``)."""
     groups: dict[Setting, dict[str, Any]] = {}
     used: set[int] = set()
     for name, p, kind in named:
@@ -173,7 +176,7 @@ def build_param_groups(
         g["names"].append(name)
         g["kinds"][kind] += 1
     for i, rule in enumerate(rules):
-        if i not in used:
+        if strict and i not in used:
             raise ConfigError(
                 f"optimizer.groups[{i}]",
                 f"kinds={rule.kinds} names={rule.names}",
