@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 NS = Callable[[torch.Tensor], torch.Tensor]
 
@@ -43,6 +43,13 @@ def _stays_local(u: torch.Tensor) -> bool:
     return not isinstance(u, DTensor) or not any(_matrix_sharded(p, u.ndim) for p in u.placements)
 
 
+def _shifted(p: Placement, ndim: int) -> Placement:
+    """``p`` on a stack of such tensors (one more leading dimension)."""
+    if isinstance(p, _StridedShard):  # FSDP over TP on the same dimension
+        return _StridedShard(p.dim % ndim + 1, split_factor=p.split_factor)
+    return Shard(p.dim % ndim + 1) if isinstance(p, Shard) else p
+
+
 def _rewrap(local: torch.Tensor, like: DTensor) -> DTensor:
     return DTensor.from_local(
         local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
@@ -60,33 +67,46 @@ def _bucket_key(u: DTensor) -> tuple:
 
 
 def _gathered(updates: list[DTensor], ns: NS, comm_dtype: torch.dtype, stats: CommStats) -> list:
-    """Orthogonalise same-spec sharded updates: stack, all-to-all whole matrices onto ranks,
-    Newton-Schulz there, all-to-all back."""
+    """Orthogonalise same-spec sharded updates: stack (padded with zero matrices to a multiple
+    of the ranks that share them), all-to-all whole matrices onto ranks, Newton-Schulz there,
+    all-to-all back. Matrix dimensions that do not split evenly are all-gathered instead (every
+    rank then orthogonalises every matrix of the bucket)."""
     first = updates[0]
     mesh, ndim = first.device_mesh, first.ndim
-    stacked_pl: list[Placement] = [
-        Shard(p.dim % ndim + 1) if isinstance(p, Shard) else p for p in first.placements
-    ]
-    whole_pl: list[Placement] = [
-        Shard(0) if _matrix_sharded(p, ndim) else q for p, q in zip(first.placements, stacked_pl)
-    ]
-    local = torch.stack([u.to_local().to(comm_dtype) for u in updates])
-    shape = (len(updates), *first.shape)
-    stacked = DTensor.from_local(
-        local, mesh, stacked_pl, shape=torch.Size(shape), stride=_contiguous(shape)
-    )
-    whole = stacked.redistribute(mesh, whole_pl)
-    ortho = whole.to_local()
-    ortho = ns(ortho.reshape(-1, *ortho.shape[-2:])).reshape(ortho.shape).to(comm_dtype)
-    back = DTensor.from_local(
-        ortho, mesh, whole_pl, shape=torch.Size(shape), stride=_contiguous(shape)
-    ).redistribute(mesh, stacked_pl)
-    ways = 1
+    stacked_pl = [_shifted(p, ndim) for p in first.placements]
+    ways, even = 1, True
     for p, size in zip(first.placements, mesh.shape):
-        ways *= size if _matrix_sharded(p, ndim) else 1
-    stats.bytes_sent += 2 * local.numel() * local.element_size() * (ways - 1) // ways
-    back_local = back.to_local()
+        if _matrix_sharded(p, ndim):
+            ways *= size
+            even = even and isinstance(p, Shard) and first.shape[p.dim % ndim] % size == 0
+    if not even:
+        ways = 1
+    whole_pl: list[Placement] = [
+        (Shard(0) if even else Replicate()) if _matrix_sharded(p, ndim) else q
+        for p, q in zip(first.placements, stacked_pl)
+    ]
+    locals_ = [u.to_local().to(comm_dtype) for u in updates]
+    pad = -len(locals_) % ways
+    locals_ += [torch.zeros_like(locals_[0])] * pad
+    local = torch.stack(locals_)
+    shape = torch.Size((len(locals_), *first.shape))
+    stacked = DTensor.from_local(local, mesh, stacked_pl, shape=shape, stride=_contiguous(shape))
+    ortho = stacked.redistribute(mesh, whole_pl).to_local()
+    ortho = ns(ortho.reshape(-1, *ortho.shape[-2:])).reshape(ortho.shape).to(comm_dtype)
+    back = DTensor.from_local(ortho, mesh, whole_pl, shape=shape, stride=_contiguous(shape))
+    back_local = back.redistribute(mesh, stacked_pl).to_local()
+    if even:  # an all-to-all each way
+        stats.bytes_sent += 2 * local.numel() * local.element_size() * (ways - 1) // ways
+    else:  # an all-gather: receives (ways - 1) x the shard, sends it as many times
+        stats.bytes_sent += local.numel() * local.element_size() * (_ways(first) - 1)
     return [_rewrap(back_local[i].to(u.dtype), u) for i, u in enumerate(updates)]
+
+
+def _ways(u: DTensor) -> int:
+    n = 1
+    for p, size in zip(u.placements, u.device_mesh.shape):
+        n *= size if _matrix_sharded(p, u.ndim) else 1
+    return n
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
