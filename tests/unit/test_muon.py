@@ -242,3 +242,19 @@ def test_each_group_follows_the_schedule_times_its_multiplier() -> None:
     assert seen[-1] == pytest.approx(0.002)  # the floor: lr x min_lr_factor at the last step
     emb = next(g for g in opt.param_groups if g["group"] == "groups[0]")
     assert emb["lr"] == pytest.approx(0.25 * 0.002)
+
+
+def test_estimator_counts_one_muon_buffer_and_the_gathers() -> None:
+    """Muon's state: AdamW's 8 bytes per element of the embedding/head (R), 4 per block
+    element (B), so 2 x Muon - AdamW = 8 R, R being the roots' shard: (2 vocab dim + dim) / 8."""
+    from torchtitan.config.manager import parse_args
+    from torchtitan.plan.estimator import estimate_memory
+
+    est = {}
+    for name in ("AdamW", "Muon"):
+        argv = ["--job.config_file", "train_configs/llama3_8b.toml", "--optimizer.name", name]
+        est[name] = estimate_memory(parse_args(argv), 8, device_type="cuda")
+    vocab, dim = 2048, 4096  # the test tokenizer's vocabulary, Llama 3 8B's width
+    roots = (2 * vocab * dim + dim) // 8
+    assert 2 * est["Muon"].optimizer_states - est["AdamW"].optimizer_states == 8 * roots
+    assert any("Muon" in n and "gathers" in n for n in est["Muon"].notes)
