@@ -209,16 +209,15 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         o, s, t = self.cfg.optimizer, self.cfg.lr_scheduler, self.cfg.training
+        plan = self.spec.parallel_plan(self.model_args)
         self.optimizer = build_optimizer(
             self.model_parts,
-            o.name,
-            o.lr,
-            (o.beta1, o.beta2),
-            o.eps,
-            o.weight_decay,
-            o.implementation,
-            moments_dtype=o.moments_dtype,
+            o,
             seed=self.cfg.debug.seed,
+            device_type=self.device.type,
+            output=plan.tensor_parallel.output,
+            embedding=plan.embedding,
+            strict=not self.parallel_dims.pp_enabled,  # a stage may hold none of a rule's
         )
         self.lr_scheduler = build_lr_scheduler(
             self.optimizer,
@@ -349,7 +348,8 @@ class Trainer:
             if self.watchdog is not None and self.step > 1:
                 self.watchdog.beat(self.step, "training step (forward, backward, collectives)")
             self.faults.at_step_start(self.step)  # test-only (tools/fault_injection.py)
-            lr = self.optimizer.param_groups[0]["lr"]
+            group = self.optimizer.param_groups[0]  # the schedule's lr (x1, docs/optimizers.md)
+            lr = group["lr"] / group.get("lr_mult", 1.0)
             loss, grad_norm = self.train_step()
             if self.steps.rollback_pending:
                 resumed = self.steps.rollback(self.step)

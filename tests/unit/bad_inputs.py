@@ -55,9 +55,46 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         ["--optimizer.name", "SGD"],
         1,
         "optimizer.name",
-        "must be one of ['AdamW', 'Adam']",
+        "must be one of ['AdamW', 'Adam', 'Muon']",
     ),
     ("section-as-field", ["--training", "3"], 1, "training", "is a section, not a field"),
+    # optimizer groups and Muon (docs/optimizers.md)
+    ("groups-cli", ["--optimizer.groups", "x"], 1, "optimizer.groups", "is a list of tables"),
+    (
+        "groups-cli-index",
+        ["--optimizer.groups.0.lr_mult", "2"],
+        1,
+        "optimizer.groups.0",
+        "names no table of optimizer.groups",
+    ),
+    (
+        "groups-no-match",
+        ["--job.config_file", "{d}/groups.toml"],
+        1,
+        "optimizer.groups[0]",
+        "matches no parameter",
+    ),
+    (
+        "muon-momentum-1",
+        ["--optimizer.muon_momentum", "1"],
+        1,
+        "optimizer.muon_momentum",
+        "must be in [0, 1)",
+    ),
+    (
+        "muon-ns-steps-0",
+        ["--optimizer.muon_ns_steps", "0"],
+        1,
+        "optimizer.muon_ns_steps",
+        "in [1, 99]",
+    ),
+    (
+        "muon-bf16-moments",
+        ["--optimizer.name", "Muon", "--optimizer.moments_dtype", "bfloat16"],
+        1,
+        "optimizer.moments_dtype",
+        "Muon's AdamW groups use torch's AdamW",
+    ),
     # numbers
     ("lr-nan", ["--optimizer.lr", "nan"], 1, "optimizer.lr", "must be a finite number in (0, 1]"),
     ("lr-inf", ["--optimizer.lr", "inf"], 1, "optimizer.lr", "must be a finite number in (0, 1]"),
@@ -343,6 +380,9 @@ def make_bad_files(d: Path) -> None:
     (d / "nodata").mkdir()
     (d / "nodata" / "validation.jsonl").write_text(good + "\n")
     (d / "broken.toml").write_text("[training\nsteps = 3\n")
+    debug = (Path(__file__).resolve().parents[2] / CONFIG[1]).read_text()
+    groups = '\n[[optimizer.groups]]\nnames = ["layers.*.attn.*"]\nlr_mult = 0.5\n'
+    (d / "groups.toml").write_text(debug + groups)
 
 
 def argv_of(args: list[str], d: Path) -> list[str]:

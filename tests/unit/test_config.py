@@ -86,7 +86,7 @@ def test_seed_toml_keys(tmp_path: Path) -> None:
         (["--training.stesp", "3"], "did you mean 'steps'?"),
         (["--training.steps", "many"], "must be an integer"),
         (["--training.steps"], "needs a value"),
-        (["--optimizer.name", "SGD"], "must be one of ['AdamW', 'Adam']"),
+        (["--optimizer.name", "SGD"], "must be one of ['AdamW', 'Adam', 'Muon']"),
         (["--no-training.steps"], "only applies to boolean"),
         (["--quantize.dense"], "is a section"),
         (["positional"], "is not an option"),

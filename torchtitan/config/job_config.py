@@ -1,8 +1,7 @@
 """The job configuration: one dataclass per TOML section, a docstring on every field.
 
-The attribute docstrings are read by ``torchtitan.config.manager`` and become ``--help`` and
-``docs/config.md``; keep each one a sentence or two that says what the field does and its units.
-Cross-field rules live in ``torchtitan.preflight.validate``.
+The attribute docstrings become ``--help`` and ``docs/config.md`` (``torchtitan.config.manager``);
+keep each a sentence or two: what the field does, its units. Cross-field rules: ``preflight/``.
 """
 
 from __future__ import annotations
@@ -189,9 +188,27 @@ class Parallelism:
 
 
 @dataclass
+class OptimizerGroup:
+    kinds: list[str] = field(default_factory=list)
+    """Parameter kinds this rule takes, any of matrix, embedding, output, norm, bias, router, experts, other (docs/optimizers.md); empty: every kind."""
+
+    names: list[str] = field(default_factory=list)
+    """Shell-style patterns on full parameter names (e.g. "layers.*.attention.wq.weight"); empty: every name. A parameter matches when its kind and its name both match."""
+
+    optimizer: Literal["default", "AdamW", "Muon"] = "default"
+    """Update rule of the matched parameters: default (the kind's, docs/optimizers.md), AdamW, or Muon (matrices and experts only, with optimizer.name = "Muon")."""
+
+    lr_mult: float = 1.0
+    """Multiplier of optimizer.lr (and of its whole schedule) for the matched parameters."""
+
+    weight_decay: float = -1.0
+    """Decoupled weight decay of the matched parameters; -1 keeps the kind's default (docs/optimizers.md)."""
+
+
+@dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer class from torch.optim."""
+    name: Literal["AdamW", "Adam", "Muon"] = "AdamW"
+    """AdamW or Adam from torch.optim, or Muon: orthogonalised momentum for weight matrices and expert matrices, AdamW for the rest (docs/optimizers.md)."""
 
     lr: float = 8e-4
     """Peak learning rate (reached at the end of warm-up)."""
@@ -216,6 +233,24 @@ class Optimizer:
 
     master_weights_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of the trained parameters themselves (and their gradients): bfloat16 halves them, with the optimizer updating in fp32 and storing with stochastic rounding; forward/backward then run in bfloat16 (docs/memory.md)."""
+
+    groups: list[OptimizerGroup] = field(default_factory=list)
+    """Parameter-group rules, as [[optimizer.groups]] tables (TOML; --optimizer.groups.N.field overrides a field of table N): the first rule a parameter matches sets its optimizer, lr multiplier and weight decay; unmatched parameters keep their kind's defaults; a rule that matches no parameter is an error (docs/optimizers.md)."""
+
+    muon_momentum: float = 0.95
+    """Muon's momentum coefficient mu (the buffer is m = mu m + (1 - mu) g)."""
+
+    muon_nesterov: bool = True
+    """Muon orthogonalises the Nesterov look-ahead (1 - mu) g + mu m instead of m."""
+
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations of Muon's orthogonalisation."""
+
+    muon_ns_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """dtype of the Newton-Schulz iteration and of its gathers: auto is bfloat16 on CUDA (as published) and float32 elsewhere."""
+
+    muon_update_scale: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Scale of Muon's orthogonal update: match_rms_adamw is 0.2 sqrt(max(m, n)) (Moonlight: one lr fits Muon and AdamW groups), original is sqrt(max(1, rows / cols)) (Keller Jordan)."""
 
 
 @dataclass

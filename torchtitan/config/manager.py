@@ -2,7 +2,8 @@
 
 Command-line overrides are ``--section.field value`` or ``--section.field=value``; nested
 sections use more dots (``--quantize.dense.float8.enable``); booleans may be bare flags or
-``--no-section.field``; lists are comma-separated. An unknown key anywhere is a ConfigError that
+``--no-section.field``; lists are comma-separated; a field of table N of a ``[[section.field]]``
+list the TOML file gave is ``--section.field.N.key``. An unknown key anywhere is a ConfigError that
 lists the valid keys of that section.
 """
 
@@ -154,7 +155,10 @@ def _convert_tables(path: str, raw: Any, elem: type, from_cli: bool) -> list[Any
     """A TOML array of tables (``[[training.mixture]]``) as a list of ``elem`` dataclasses."""
     if from_cli:
         raise ConfigError(
-            path, raw, "is a list of tables", f"write [[{path}]] tables in the TOML file"
+            path,
+            raw,
+            "is a list of tables",
+            f"write [[{path}]] tables in the TOML file; --{path}.N.<field> overrides table N",
         )
     if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
         raise ConfigError(path, raw, "must be a list of tables", f"write [[{path}]] tables")
@@ -224,6 +228,9 @@ def _resolve(cfg: JobConfig, dotted: str) -> tuple[Any, str, Any]:
     obj: Any = cfg
     prefix = ""
     for i, part in enumerate(parts):
+        if isinstance(obj, list):  # a table of a [[section.field]] list, by index
+            obj, prefix = _table(obj, part, prefix)
+            continue
         cls = type(obj)
         if part not in {f.name for f in dataclasses.fields(cls)}:
             raise _unknown_key(prefix, part, cls)
@@ -237,7 +244,7 @@ def _resolve(cfg: JobConfig, dotted: str) -> tuple[Any, str, Any]:
                     f"give a field, e.g. --{dotted}.<field>",
                 )
             return obj, part, tp
-        if not _is_dataclass_type(tp):
+        if not _is_dataclass_type(tp) and not _is_table_list(tp):
             raise ConfigError(
                 dotted, None, f"'{part}' is a field, not a section", "remove the extra dotted part"
             )
@@ -246,10 +253,32 @@ def _resolve(cfg: JobConfig, dotted: str) -> tuple[Any, str, Any]:
     raise AssertionError("unreachable")
 
 
+def _is_table_list(tp: Any) -> bool:
+    return get_origin(tp) is list and _is_dataclass_type(get_args(tp)[0])
+
+
+def _table(tables: list[Any], index: str, prefix: str) -> tuple[Any, str]:
+    """``--section.field.N.key``: table N of a list of tables that the TOML file gave."""
+    if not index.isdigit() or int(index) >= len(tables):
+        fix = f"add [[{prefix}]] tables to the TOML file"
+        if tables:
+            fix = f"write --{prefix}.N.<field> with N in 0..{len(tables) - 1}, or {fix}"
+        raise ConfigError(
+            f"{prefix}.{index}",
+            None,
+            f"names no table of {prefix} (the TOML file gives {len(tables)})",
+            fix,
+        )
+    return tables[int(index)], f"{prefix}.{index}"
+
+
 def _leaf_type(dotted: str) -> Any | None:
     """The annotation of the leaf field ``dotted`` (None when it names no field)."""
     cls: Any = JobConfig
     for part in dotted.split("."):
+        if _is_table_list(cls) and part.isdigit():
+            cls = get_args(cls)[0]
+            continue
         if not _is_dataclass_type(cls) or part not in {f.name for f in dataclasses.fields(cls)}:
             return None
         cls = _hints(cls)[part]

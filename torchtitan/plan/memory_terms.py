@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -240,6 +241,26 @@ def in_flight_microbatches(plan: PipelinePlan | None, pp_rank: int) -> int:
 def optimizer_state_bytes_per_param(moments_dtype: str) -> int:
     """Bytes of AdamW/Adam state per parameter element: two moments (docs/memory.md)."""
     return 2 * (2 if moments_dtype == "bfloat16" else 4)
+
+
+MUON_BUFFER_BYTES = 4  # one fp32 momentum buffer per element of a Muon matrix (docs/optimizers.md)
+
+
+def muon_step_bytes(
+    block: tuple[tuple[int, int], ...], linear: tuple[bool, ...], n_layers: int, stored: Any,
+    ns_bytes: int,
+) -> int:  # fmt: skip
+    """Muon's transient bytes at the optimizer step: the largest bucket of same-shaped block
+    matrices (one per shape and layer), held three times in ``ns_bytes`` (the stacked shards,
+    the whole matrices a rank receives, the Newton-Schulz iterate) (``optim/muon_dist.py``)."""
+    counts: dict[tuple[int, int], int] = {}
+    for shape, is_linear in zip(block, linear):
+        if is_linear:
+            counts[shape] = counts.get(shape, 0) + 1
+    if not counts:
+        return 0
+    largest = max(stored([shape]) * c for shape, c in counts.items())
+    return 3 * largest * n_layers * ns_bytes
 
 
 def master_weight_bytes(cfg: JobConfig) -> int:

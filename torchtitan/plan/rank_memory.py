@@ -16,6 +16,7 @@ from torchtitan.models import MODELS
 from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.plan import moe_memory as moe_terms
 from torchtitan.plan.memory_terms import (
+    MUON_BUFFER_BYTES,
     MemoryEstimate,
     block_backward_bytes,
     block_ids,
@@ -25,6 +26,7 @@ from torchtitan.plan.memory_terms import (
     layer_activations,
     loss_working_set,
     master_weight_bytes,
+    muon_step_bytes,
     norm_upcast_bytes,
     optimizer_state_bytes_per_param,
     param_dtype_bytes,
@@ -109,6 +111,9 @@ class RankMemory:
         param_elems = self._stored(roots) + sum(b.stored for b in self.sizes.values())
         self.parameters = param_elems * self.mw
         moments = param_elems * optimizer_state_bytes_per_param(self.cfg.optimizer.moments_dtype)
+        self.muon_step = 0
+        if self.cfg.optimizer.name == "Muon":  # blocks: one buffer; roots and norms: AdamW
+            moments = self._muon_state(roots)
         self.optimizer_states = moments if steady_state else 0
         self.grads_all = param_elems * self.mw
         self.host = 0
@@ -116,6 +121,23 @@ class RankMemory:
             self.host = self.parameters + self.grads_all + self.optimizer_states
             self.parameters, self.optimizer_states = 0, 0
             self.notes.append(f"CPU offload: {format_bytes(self.host)} in host memory")
+
+    def _muon_state(self, roots: list[tuple[int, int]]) -> int:
+        """Muon's state (docs/optimizers.md): AdamW's two moments for the embedding and head,
+        one fp32 momentum buffer per block element (the norms' second moment is neglected),
+        and the transient gather buffers of its step."""
+        blocks = sum(b.stored for b in self.sizes.values())
+        adam = self._stored(roots) * optimizer_state_bytes_per_param("float32")
+        ns_bytes = resolve_dtype(self.cfg.optimizer.muon_ns_dtype, self.device_type).itemsize
+        shapes = self.shapes
+        self.muon_step = muon_step_bytes(
+            shapes.block, shapes.block_linear, len(self.layers), self._stored, ns_bytes
+        )
+        self.notes.append(
+            f"Muon: one momentum buffer per block matrix element, AdamW's two for the "
+            f"embedding/head; its step gathers up to {format_bytes(self.muon_step)} of matrices"
+        )
+        return adam + blocks * MUON_BUFFER_BYTES
 
     def _gather(self) -> None:
         """Parameters in their compute form while forward/backward runs."""
@@ -314,7 +336,10 @@ class RankMemory:
 
     def estimate(self) -> MemoryEstimate:
         """The moment with the most bytes, as a ``MemoryEstimate`` (temporaries 0)."""
-        optimizer = _Moment(self.device_grads, "optimizer step", 0, 0, self.device_grads, 0)
+        optimizer = _Moment(
+            self.device_grads + self.muon_step, "optimizer step", 0, self.muon_step,
+            self.device_grads, 0,
+        )  # fmt: skip
         blocks, done_grads = self._block_backwards()
         moments = [
             self._loss_backward(),

@@ -30,6 +30,7 @@ from torchtitan.preflight.validate_features import (
 )
 from torchtitan.preflight.validate_memory import validate_memory_levers
 from torchtitan.preflight.validate_moe import validate_expert_parallel
+from torchtitan.preflight.validate_optim import validate_optimizer
 from torchtitan.preflight.validate_parallel import (
     validate_context_parallel,
     validate_tensor_parallel,
@@ -104,6 +105,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_expert_parallel(cfg, dims)
     dims.batch_plan(cfg.training.local_batch_size, cfg.training.global_batch_size)
     validate_memory_levers(cfg, world_size)
+    validate_optimizer(cfg)  # parameter groups and Muon (docs/optimizers.md)
     validate_paths(cfg)  # dump folder, tokenizer, data files, checkpoint step (touch the disk)
 
     if cfg.training.mixed_precision_param == "bfloat16" and device_type() != "cuda":

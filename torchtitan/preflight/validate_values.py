@@ -118,6 +118,8 @@ RULES: dict[str, Num] = {
     "optimizer.beta2": fraction("use e.g. 0.95", high_open=True),
     "optimizer.eps": Num(low=0.0, high=1.0, low_open=True, fix="use e.g. 1e-8"),
     "optimizer.weight_decay": Num(low=0.0, fix="use e.g. 0.1, or 0 for none"),
+    "optimizer.muon_momentum": fraction("use e.g. 0.95", high_open=True),
+    "optimizer.muon_ns_steps": Num(low=1, high=99, integer=True, fix="use e.g. 5"),
     # lr_scheduler
     "lr_scheduler.warmup_steps": count(0, fix="use e.g. 200, or 0 for no warm-up"),
     "lr_scheduler.warmup_start_factor": fraction("use 0.0"),

@@ -99,6 +99,8 @@ class Experts(nn.Module):
     """``E`` SwiGLU experts as stacked weights: ``w1``/``w3`` ``[E, dim, hidden]``, ``w2``
     ``[E, hidden, dim]`` (a token's row times the matrix, no transpose)."""
 
+    param_kind = "experts"  # optimizer kind: Muon treats each expert's matrix on its own
+
     def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))

@@ -62,6 +62,7 @@ class MoEArgs:
 class Router(nn.Module):
     """Token -> (expert ids ``[T, k]``, weights ``[T, k]``, scores ``[T, E]``)."""
 
+    param_kind = "router"  # its parameters' optimizer kind (docs/optimizers.md)
     expert_bias: torch.Tensor
 
     def __init__(self, dim: int, args: MoEArgs) -> None:
