@@ -69,7 +69,7 @@ def step_time(
     cfg: JobConfig, a: ModelArgs, layout: Layout, hw: Hardware, world_size: int
 ) -> tuple[float, dict[str, float]]:
     seq = cfg.training.seq_len
-    act = param_dtype_bytes(cfg, "cuda")
+    act = param_dtype_bytes(cfg, hw.device_type)
     g = hw.gpus_per_node
     tokens_device = layout.global_batch_size * seq / world_size
     all_blocks = a.n_layers * active_block_params(a, block_params(a))

@@ -46,6 +46,9 @@ class Hardware:
     """Host-device bandwidth one device sees, GB/s, for CPU offload's copies (plan/levers.py)."""
     host_memory_gbps: float = 10.0
     """Host memory bandwidth one device's CPU optimizer step gets, GB/s (plan/levers.py)."""
+    device_type: str = "cuda"
+    """The devices' kind: it sets the compute dtype's size in the step-time model (``auto``
+    mixed precision is bf16 on CUDA, fp32 on CPU). Memory is always estimated for CUDA."""
 
 
 @dataclass(frozen=True)
