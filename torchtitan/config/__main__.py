@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 
-from torchtitan.config.errors import ConfigError
 from torchtitan.config.compose import annotate
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import help_text, to_toml
 from torchtitan.plan.auto import load_config

@@ -80,7 +80,9 @@ def hardware_facts(world_size: int) -> Hardware:
         except ValueError:  # unknown device: the default peak (only the ranking matters)
             peak = Hardware(memory_gib=0).peak_tflops
         per_node = local or min(world_size, torch.cuda.device_count())
-        return Hardware(memory_gib=props.total_memory / GIB, peak_tflops=peak, gpus_per_node=per_node)
+        return Hardware(
+            memory_gib=props.total_memory / GIB, peak_tflops=peak, gpus_per_node=per_node
+        )
     per_node = local or world_size
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return replace(CPU_GLOO, memory_gib=host / GIB / per_node, gpus_per_node=per_node)
