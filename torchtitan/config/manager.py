@@ -1,4 +1,5 @@
-"""Load a JobConfig: defaults < TOML file < command line, with strict keys and types.
+"""Load a JobConfig: defaults < TOML files (their ``extends`` chains: config/compose.py) < command
+line, with strict keys and types.
 
 Command-line overrides are ``--section.field value`` or ``--section.field=value``; nested
 sections use more dots (``--quantize.dense.float8.enable``); booleans may be bare flags or
