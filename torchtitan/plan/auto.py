@@ -36,8 +36,9 @@ CPU_GLOO = Hardware(
     gpus_per_node=1,
     mfu=0.35,
     intra_node_gbps=2.0,
+    inter_node_gbps=2.0,
     intra_latency_us=150.0,
-    inter_latency_us=300.0,
+    inter_latency_us=150.0,
     fsdp_overlap=0.0,
     gemm_half_width=32.0,
     device_type="cpu",
@@ -45,7 +46,8 @@ CPU_GLOO = Hardware(
 """CPU ranks talking over gloo, as measured on a 2-core machine by
 ``benchmarks/planner_vs_measured.py`` (fp32 matmul of one core, gloo all-reduce bandwidth and
 latency between two processes; table in docs/planning.md). gloo runs its collectives on the
-same cores as the compute, so nothing hides behind compute (``fsdp_overlap`` 0)."""
+same cores as the compute, so nothing hides behind compute (``fsdp_overlap`` 0); the ranks of
+one host reach each other alike, so "across nodes" costs what "in a node" does."""
 
 LEVERS = (
     "more ranks, or devices with more memory",
