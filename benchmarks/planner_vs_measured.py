@@ -72,24 +72,28 @@ def measure_hardware():  # type: ignore[no-untyped-def]
     shard = torch.ones(2 * 1024 * 1024)  # 8 MB per rank
     out = torch.empty(WORLD * shard.numel())
     small = torch.ones(1)
-    big_s, small_s = [], []
-    for _ in range(12):
+    gather_s, scatter_s, small_s = [], [], []
+    for _ in range(8):
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_gather_into_tensor(out, shard)
-        big_s.append(time.perf_counter() - t0)
+        gather_s.append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.reduce_scatter_tensor(shard, out)  # the same bytes on the wire as the gather
+        scatter_s.append(time.perf_counter() - t0)
         for _ in range(20):
             t0 = time.perf_counter()
             dist.all_reduce(small)
             small_s.append(time.perf_counter() - t0)
-    # Bandwidth from the least disturbed large gather; latency as a small collective takes
-    # typically (the median): on shared cores it is the wait for the peer to be scheduled, which
-    # every synchronizing collective of a step pays.
-    latency = statistics.median(small_s)
-    found = torch.tensor([min(big_s), latency])
+    # Typical figures (medians), not the best: on shared cores a collective waits for the peer
+    # to be scheduled, and a training step pays that at every one of its collectives.
+    found = torch.tensor(
+        [statistics.median(gather_s), statistics.median(scatter_s), statistics.median(small_s)]
+    )
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    latency = float(found[1])
-    gbps = out.numel() * 4 * (WORLD - 1) / WORLD / max(float(found[0]) - latency, 1e-9) / 1e9
+    gather, scatter, latency = (float(v) for v in found)
+    gbps = out.numel() * 4 * (WORLD - 1) / WORLD / max(gather - latency, 1e-9) / 1e9
     # one host: a group "across nodes" is on the same host too
     return dataclasses.replace(
         hardware_facts(WORLD),
@@ -98,6 +102,7 @@ def measure_hardware():  # type: ignore[no-untyped-def]
         inter_node_gbps=round(gbps, 3),
         intra_latency_us=round(latency * 1e6, 1),
         inter_latency_us=round(latency * 1e6, 1),
+        reduce_scatter_factor=round(scatter / gather, 2),
     )
 
 

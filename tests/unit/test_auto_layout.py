@@ -96,3 +96,21 @@ def test_ranks_that_chose_differently_stop() -> None:
     differ = run_ranks(_check, 2, [*DEBUG, "differ"])
     assert differ[0].startswith("parallelism.auto = True: rank 1 chose another layout than rank 0")
     assert differ[1].startswith("parallelism.auto = True: rank 0 chose another layout than rank 1")
+
+
+def test_benchmark_spearman_and_layout_matching() -> None:
+    """benchmarks/planner_vs_measured.py's statistics: Spearman with tied ranks averaged, and the
+    match between --parallelism.auto's config and a measured layout."""
+    from tests.script_loader import load
+
+    bench = load("benchmarks/planner_vs_measured.py")
+    assert bench.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert bench.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ranks x (1, 2.5, 2.5, 4) against y (1, 2, 3, 4): 4.5 / sqrt(4.5 * 5)
+    assert bench.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(4.5 / (4.5 * 5) ** 0.5)
+    cfg = parse_args([*DEBUG, *SMALL, "--parallelism.auto"])
+    chosen, _ = choose(cfg, 2, HW)
+    auto = (chosen.parallelism, chosen.activation_checkpoint)
+    results, _, _ = plan(cfg, model_args_for(cfg), 2, HW)
+    assert bench._matches(results[0].layout, auto)
+    assert not any(bench._matches(r.layout, auto) for r in results[1:])

@@ -141,7 +141,9 @@ def step_time(
     if n_shard > 1:
         gather_s = gathers * (_collective_s(params_rank * act, n_shard, hw, shard_spans) + extra)
         reduce_s = reduces * (
-            _collective_s(params_rank * grad_bytes, n_shard, hw, shard_spans) + extra
+            hw.reduce_scatter_factor
+            * _collective_s(params_rank * grad_bytes, n_shard, hw, shard_spans)
+            + extra
         )
     if experts and efsdp > 1:
         gather_s += gathers * _collective_s(experts_rank * act, efsdp, hw, shard_spans)
