@@ -93,6 +93,19 @@ def measure_hardware():  # type: ignore[no-untyped-def]
     )
     dist.all_reduce(found, op=dist.ReduceOp.MAX)
     gather, scatter, latency = (float(v) for v in found)
+    # The optimizer step: fused AdamW over 4M fp32 parameters, both cores busy.
+    param = torch.nn.Parameter(torch.randn(4 * 1024 * 1024))
+    param.grad = torch.randn_like(param)
+    opt = torch.optim.AdamW([param], lr=1e-4, fused=True)
+    opt_s = []
+    for _ in range(6):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.step()
+        opt_s.append(time.perf_counter() - t0)
+    opt_t = torch.tensor([statistics.median(opt_s[1:])])
+    dist.all_reduce(opt_t, op=dist.ReduceOp.MAX)
+    optimizer_gbps = param.numel() * 16 / float(opt_t) / 1e9
     gbps = out.numel() * 4 * (WORLD - 1) / WORLD / max(gather - latency, 1e-9) / 1e9
     # one host: a group "across nodes" is on the same host too
     return dataclasses.replace(
@@ -103,6 +116,7 @@ def measure_hardware():  # type: ignore[no-untyped-def]
         intra_latency_us=round(latency * 1e6, 1),
         inter_latency_us=round(latency * 1e6, 1),
         reduce_scatter_factor=round(scatter / gather, 2),
+        optimizer_gbps=round(optimizer_gbps, 3),
     )
 
 
@@ -161,6 +175,13 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     hw = measure_hardware()
+    if args.hardware_only:  # measure the machine again, keep the layouts' times
+        if rank == 0:
+            record = json.loads(Path(args.out).read_text())
+            record["hardware"] = dataclasses.asdict(hw)
+            Path(args.out).write_text(json.dumps(record, indent=1))
+        dist.destroy_process_group()
+        return
     # The trainer's MFU peak: the one measured above, not a matmul timed at every build.
     builders.measure_matmul_peak_flops = lambda *a, **k: hw.peak_tflops * 1e12
     dump = tempfile.mkdtemp(prefix="planner_vs_measured_")
@@ -307,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="planner_vs_measured.json", help="measurements (JSON)")
     ap.add_argument(
         "--merge", action="store_true", help="keep the best of these and --out's rounds"
+    )
+    ap.add_argument(
+        "--hardware_only", action="store_true", help="re-measure the machine into --out only"
     )
     ap.add_argument("--report", metavar="JSON", help="only print the table for saved measurements")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

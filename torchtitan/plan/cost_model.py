@@ -213,8 +213,16 @@ def step_time(
             params_rank / n_shard, gathers, moments, hw.host_device_gbps, hw.host_memory_gbps
         )
         terms["offload_copies"], terms["offload_optimizer"] = copies, optimizer
+    # The optimizer step over this rank's parameters (sharded by FSDP, split by TP and PP);
+    # offload moves it to the host (offload_seconds).
+    terms["optimizer"] = 0.0
+    if "cpu_offload" not in layout.levers:
+        state = 4 + 4 + (4 if "bf16_moments" in layout.levers else 8)
+        shard = params_rank / n_shard + experts_rank / max(1, efsdp)
+        terms["optimizer"] = shard * state / (hw.optimizer_gbps * 1e9)
     frac = _recompute_fraction(a, layout.ac_mode, layout.ac_option)
     terms.update(moe_step_terms(a, layout, hw, seq, act, peak, frac))
     total = work + bubble + tp + cp + fsdp + pp_p2p + terms["all_to_all"] + terms["moe_tp"]
     total += terms["chunked_loss"] + terms["offload_copies"] + terms["offload_optimizer"]
+    total += terms["optimizer"]
     return total, terms
