@@ -189,6 +189,7 @@ def worker(args: argparse.Namespace) -> None:
     for flavor in args.flavors.split(","):
         cfg = parse_args(_base_argv(flavor, dump))
         cases += [{"flavor": flavor, "layout": lay, "best_s": 1e9} for lay in layouts_for(cfg, hw)]
+    machines = [hw]
     for r in range(args.rounds):
         for case in cases if r % 2 == 0 else cases[::-1]:
             s = time_layout(case["flavor"], case["layout"], args.warmup, args.steps, dump)
@@ -197,6 +198,12 @@ def worker(args: argparse.Namespace) -> None:
                 print(
                     f"round {r} {case['flavor']} {case['layout'].describe()}: {s:.3f} s", flush=True
                 )
+        machines.append(measure_hardware())  # the machine between rounds, too
+    # each figure's median over the measurements before, between and after the rounds
+    numbers = [f.name for f in dataclasses.fields(hw) if isinstance(getattr(hw, f.name), float)]
+    hw = dataclasses.replace(
+        hw, **{n: statistics.median(getattr(m, n) for m in machines) for n in numbers}
+    )
     if rank == 0:
         for case in cases:
             case["layout"] = dataclasses.asdict(case["layout"])

@@ -32,20 +32,23 @@ __all__ = ["CPU_GLOO", "check_same_layout", "choose", "device_peak_tflops", "loa
 
 CPU_GLOO = Hardware(
     memory_gib=1.0,  # replaced by the host's memory / ranks on it (hardware_facts)
-    peak_tflops=0.1,
+    peak_tflops=0.17,
     gpus_per_node=1,
     mfu=0.35,
-    intra_node_gbps=2.0,
-    inter_node_gbps=2.0,
-    intra_latency_us=150.0,
-    inter_latency_us=150.0,
+    intra_node_gbps=0.435,
+    inter_node_gbps=0.435,
+    intra_latency_us=145.0,
+    inter_latency_us=145.0,
     fsdp_overlap=0.0,
     gemm_half_width=32.0,
+    reduce_scatter_factor=1.75,
+    optimizer_gbps=10.0,
     device_type="cpu",
 )
 """CPU ranks talking over gloo, as measured on a 2-core machine by
-``benchmarks/planner_vs_measured.py`` (fp32 matmul of one core, gloo all-reduce bandwidth and
-latency between two processes; table in docs/planning.md). gloo runs its collectives on the
+``benchmarks/planner_vs_measured.py`` on a shared 2-core machine (medians: fp32 matmul of one
+core, gloo all-gather bandwidth, small all-reduce latency, reduce-scatter/all-gather ratio, fused
+AdamW rate; table in docs/planning.md). gloo runs its collectives on the
 same cores as the compute, so nothing hides behind compute (``fsdp_overlap`` 0); the ranks of
 one host reach each other alike, so "across nodes" costs what "in a node" does."""
 
