@@ -15,7 +15,7 @@ from torchtitan.launch import report_stop
 from torchtitan.plan.auto import load_config
 from torchtitan.plan.explain import explain
 from torchtitan.preflight.validate import world_size_from_env
-from torchtitan.tools.logging import logger
+from torchtitan.tools.logging import init_logger
 from torchtitan.trainer import Trainer
 
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return config_error(e)
     if auto_note and int(os.environ.get("RANK", "0")) == 0:
-        logger.info(auto_note)
+        init_logger().info(auto_note)  # the trainer sets the rank prefix later
     if cfg.job.explain:  # the preflight plan, then exit: no process group, no training
         if int(os.environ.get("RANK", "0")) == 0:
             print(explain(cfg, world_size_from_env()))
