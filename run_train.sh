@@ -7,8 +7,10 @@
 #              TORCHTITAN_DEVICE=cpu, which runs CPU ranks with gloo even where CUDA is visible)
 # LOG_RANK     ranks whose output is shown (default 0): a comma list (0,3), and/or the words
 #              `last` (the ranks holding the last pipeline stage) and `all`; e.g. LOG_RANK=0,last
-# CONFIG_FILE  TOML config (default train_configs/debug_model.toml)
-# extra args   config overrides, e.g. --parallelism.data_parallel_shard_degree 2 --metrics.log_freq 1
+# CONFIG_FILE  TOML config (default train_configs/debug_model.toml), or a comma list of them applied
+#              in order (a.toml,overlay.toml; each may `extends` a base: docs/configs.md)
+# extra args   config overrides, e.g. --parallelism.data_parallel_shard_degree 2 --metrics.log_freq 1;
+#              --parallelism.auto lets the planner choose the layout for NGPU ranks (docs/planning.md)
 #
 # Preemption (with --checkpoint.enable): torchrun forwards SIGTERM and SIGUSR1 (SLURM's
 # `--signal=USR1@120`) to every rank; the trainer saves a checkpoint at the next step boundary
@@ -32,8 +34,14 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-config="${CONFIG_FILE:-train_configs/debug_model.toml}"
-[[ "$config" = /* || -f "$config" ]] && config="$(cd "$(dirname "$config")" && pwd)/$(basename "$config")"
+# CONFIG_FILE may be a comma list (base first, overlays after; docs/configs.md): each path is
+# made absolute before the cd below.
+IFS=, read -ra config_files <<<"${CONFIG_FILE:-train_configs/debug_model.toml}"
+config=""
+for f in "${config_files[@]}"; do
+    [[ "$f" = /* || -f "$f" ]] && f="$(cd "$(dirname "$f")" && pwd)/$(basename "$f")"
+    config="${config:+$config,}$f"
+done
 cd "$root"
 
 python="${TORCHTITAN_PYTHON:-$("$root/scripts/setup_env.sh")}"

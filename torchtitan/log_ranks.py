@@ -9,7 +9,8 @@ import sys
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed.pipeline_plan import PipelinePlan
-from torchtitan.preflight.validate import load_config, pipeline_plan
+from torchtitan.plan.auto import load_config
+from torchtitan.preflight.validate import pipeline_plan
 
 
 def resolve_log_ranks(spec: str, world_size: int, plan: PipelinePlan | None) -> list[int]:
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
     plan = None
     # A config error is the trainer's to report; 'last' then falls back to no-PP.
     with contextlib.suppress(ConfigError):
-        plan = pipeline_plan(load_config(argv[2:], world_size=world_size))
+        plan = pipeline_plan(load_config(argv[2:], world_size=world_size)[0])
     try:
         print(",".join(map(str, resolve_log_ranks(spec, world_size, plan))))
     except ValueError as e:

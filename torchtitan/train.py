@@ -12,8 +12,10 @@ from torchtitan.config.manager import help_text
 from torchtitan.distributed.utils import destroy_distributed
 from torchtitan.guards.spikes import TrainingAborted
 from torchtitan.launch import report_stop
+from torchtitan.plan.auto import load_config
 from torchtitan.plan.explain import explain
-from torchtitan.preflight.validate import load_config, world_size_from_env
+from torchtitan.preflight.validate import world_size_from_env
+from torchtitan.tools.logging import init_logger
 from torchtitan.trainer import Trainer
 
 
@@ -23,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
         print(help_text())
         return 0
     try:
-        cfg = load_config(argv)  # parse and validate, before any process group
+        # parse, choose the layout (--parallelism.auto), validate: before any process group
+        cfg, _, auto_note = load_config(argv)
     except ConfigError as e:
         return config_error(e)
+    if auto_note and int(os.environ.get("RANK", "0")) == 0:
+        init_logger().info(auto_note)  # the trainer sets the rank prefix later
     if cfg.job.explain:  # the preflight plan, then exit: no process group, no training
         if int(os.environ.get("RANK", "0")) == 0:
             print(explain(cfg, world_size_from_env()))

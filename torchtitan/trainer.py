@@ -46,6 +46,7 @@ from torchtitan.models.common.moe import moe_overrides, set_aux_loss_scale
 from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
 from torchtitan.optim.lr_scheduler import build_lr_scheduler
 from torchtitan.optim.optimizer import build_optimizer
+from torchtitan.plan.auto import check_same_layout
 from torchtitan.preflight.validate import pipeline_plan
 from torchtitan.tools.fault_injection import parse_faults
 from torchtitan.tools.logging import init_logger, logger
@@ -80,6 +81,8 @@ class Trainer:
         self.device, world_size, self.rank = dist_utils.init_distributed(
             cfg.comm.init_timeout_seconds
         )
+        if cfg.parallelism.auto:  # every rank must have chosen the same layout
+            check_same_layout(cfg)
         self.parallel_dims = dims = ParallelDims.from_config(cfg.parallelism, world_size)
         dims.build_mesh(self.device.type)
         self.pp_plan = pipeline_plan(cfg)

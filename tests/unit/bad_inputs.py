@@ -365,6 +365,22 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "job.config_file",
         "is not valid TOML",
     ),
+    # composition (docs/configs.md)
+    (
+        "extends-cycle",
+        ["--job.config_file", "{d}/cycle_a.toml"],
+        1,
+        "extends",
+        "the chain is a cycle",
+    ),
+    ("extends-missing", ["--job.config_file", "{d}/orphan.toml"], 1, "extends", "does not exist"),
+    (
+        "overlay-unknown-key",
+        ["--job.config_file", "train_configs/debug_model.toml,{d}/typo.toml"],
+        1,
+        "training.stepz",
+        "is not a field of [training] (in",
+    ),
 ]
 
 
@@ -383,6 +399,10 @@ def make_bad_files(d: Path) -> None:
     debug = (Path(__file__).resolve().parents[2] / CONFIG[1]).read_text()
     groups = '\n[[optimizer.groups]]\nnames = ["layers.*.attn.*"]\nlr_mult = 0.5\n'
     (d / "groups.toml").write_text(debug + groups)
+    (d / "cycle_a.toml").write_text('extends = "cycle_b.toml"\n')
+    (d / "cycle_b.toml").write_text('extends = "cycle_a.toml"\n')
+    (d / "orphan.toml").write_text('extends = "no_such_base.toml"\n')
+    (d / "typo.toml").write_text("[training]\nstepz = 3\n")
 
 
 def argv_of(args: list[str], d: Path) -> list[str]:

@@ -10,7 +10,7 @@ from torchtitan.config.manager import iter_fields, type_name
 
 HEADER = """# Configuration reference
 
-Generated from the field docstrings in `torchtitan/config/job_config.py` by
+Generated from the field docstrings in `torchtitan/config/job_config.py` and `sections.py` by
 `python -m torchtitan.config.docs > docs/config.md`; a test keeps the two in sync.
 
 Set a field in a TOML file under its section (`[training]` then `steps = 100`; nested sections as
@@ -18,8 +18,11 @@ Set a field in a TOML file under its section (`[training]` then `steps = 100`; n
 `--training.steps=100`. Booleans are bare flags (`--compile.enable`) and are turned off with
 `--no-compile.enable` or `--compile.enable=false`; lists are comma-separated
 (`--parallelism.pipeline_parallel_split_points layers.4,layers.8`). The command line overrides
-the TOML file, which overrides the defaults. `python -m torchtitan.config --job.config_file F
-[overrides] [--world_size N]` prints the resolved config, or the first error with exit code 2.
+the TOML files, which override the defaults. A TOML file may extend a base (`extends =
+"base.toml"`) and several files apply in order (`--job.config_file a.toml,b.toml`): see
+docs/configs.md. `python -m torchtitan.config --job.config_file F [overrides] [--world_size N]
+[--sources]` prints the resolved config (with `--sources`, where each value came from), or the
+first error with exit code 2.
 """
 
 

@@ -1,4 +1,5 @@
-"""The job configuration: one dataclass per TOML section, a docstring on every field.
+"""The job configuration: one dataclass per TOML section, a docstring on every field (the core
+sections here, the rest in ``sections.py``; ``JobConfig`` puts them together).
 
 The attribute docstrings become ``--help`` and ``docs/config.md`` (``torchtitan.config.manager``);
 keep each a sentence or two: what the field does, its units. Cross-field rules: ``preflight/``.
@@ -8,6 +9,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+from torchtitan.config.sections import (
+    ActivationCheckpoint,
+    Checkpoint,
+    Comm,
+    Compile,
+    Debug,
+    FaultTolerance,
+    Metrics,
+    Profiling,
+    Quantize,
+    Sft,
+    Validation,
+)
 
 
 @dataclass
@@ -183,6 +198,9 @@ class Parallelism:
     expert_parallel_degree: int = 1
     """Expert parallel degree (MoE models): the routed experts are split over this many ranks, borrowed from data_parallel_shard_degree (which it must divide); tokens reach their experts by all-to-all. Experts are FSDP-sharded over the remaining dp_shard / ep ranks (docs/parallelisms.md)."""
 
+    auto: bool = False
+    """Choose the layout at launch: the planner's fastest layout that fits (python -m torchtitan.plan) replaces the degrees, pipeline schedule and microbatches, local batch, activation checkpointing and memory levers set here; the global batch stays. The log names the choice, the runner-up and the override line that pins it (docs/planning.md)."""
+
     fsdp_cpu_offload: bool = False
     """FSDP2 CPU offload (CPUOffloadPolicy): parameter shards, gradients and optimizer state live in host memory and the optimizer step runs on the CPU; needs FSDP (data_parallel_shard_degree > 1, with or without HSDP, TP, PP); the offload slows each step by the host-device copies (docs/memory.md)."""
 
@@ -269,234 +287,6 @@ class LRScheduler:
 
     min_lr_factor: float = 0.0
     """Final learning rate as a fraction of lr."""
-
-
-@dataclass
-class Checkpoint:
-    enable: bool = False
-    """Save and resume distributed (DCP) checkpoints."""
-
-    folder: str = "checkpoint"
-    """Checkpoint folder, relative to job.dump_folder."""
-
-    interval: int = 500
-    """Save every this many steps."""
-
-    keep_latest_k: int = 10
-    """Keep this many newest checkpoints; 0 keeps all."""
-
-    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-    """Save in the background: async (a thread with its own process group) or async_with_pinned_mem (GPU)."""
-
-    load_step: int = -1
-    """Resume from exactly this step's checkpoint (an error if it is missing or corrupt); -1 resumes from the newest valid one."""
-
-    verify_checksums: bool = True
-    """Check every file's SHA-256 against the manifest before loading (reads the checkpoint once more); sizes are always checked."""
-
-    exclude_from_loading: list[str] = field(default_factory=list)
-    """Parts of a checkpoint not to load: any of model, optimizer, lr_scheduler, dataloader, train_state (then training restarts at step 0), rng."""
-
-    initial_load_path: str = ""
-    """When the checkpoint folder holds no checkpoint yet, load initial weights from this step-N folder (e.g. made by scripts/convert_from_hf.py), or from a Hugging Face folder with initial_load_in_hf; empty starts from random weights."""
-
-    initial_load_model_only: bool = True
-    """From initial_load_path, load only the model weights (training starts at step 0); false loads everything it holds, except exclude_from_loading."""
-
-    initial_load_in_hf: bool = False
-    """initial_load_path is a Hugging Face folder (config.json + *.safetensors) whose weights are converted on load (llama3)."""
-
-    create_seed_checkpoint: bool = False
-    """Build and initialize the model, save it as a model-only step-0 checkpoint in the checkpoint folder and exit without training; one process with every parallel degree 1. Later runs at any parallelism start from these weights."""
-
-    last_save_model_only: bool = False
-    """The checkpoint of the last training step holds only the model weights, cast to export_dtype (for shipping or scripts/convert_to_hf.py); interval checkpoints stay complete, and resume skips this one."""
-
-    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Data type of the weights in the last_save_model_only checkpoint."""
-
-
-@dataclass
-class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
-    """Recompute activations in backward: none, full (every block) or selective."""
-
-    selective_ac_option: str = "2"
-    """For selective mode: an integer N checkpoints every Nth block (layer ids N-1, 2N-1, ...); 'op' checkpoints every block but saves attention and every second matmul output, recomputing the cheap ops."""
-
-
-@dataclass
-class Compile:
-    enable: bool = False
-    """torch.compile each transformer block (fullgraph) and the loss."""
-
-    components: list[str] = field(default_factory=lambda: ["model", "loss"])
-    """What compile.enable compiles: model (each transformer block) and/or loss."""
-
-    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
-    """torch.compile backend: inductor generates kernels; aot_eager and eager are for debugging."""
-
-    cache_dir: str = ""
-    """Folder for inductor's compile caches, reused by later runs (sets TORCHINDUCTOR_CACHE_DIR); a relative path is under job.dump_folder; empty keeps $TORCHINDUCTOR_CACHE_DIR or inductor's default /tmp/torchinductor_<user>."""
-
-
-@dataclass
-class Float8:
-    enable: bool = False
-    """Train eligible linear layers in float8 through torchao."""
-
-    recipe_name: Literal["tensorwise", "rowwise"] = "tensorwise"
-    """torchao float8 scaling recipe."""
-
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Linear layers whose name contains any of these strings stay in high precision."""
-
-    enable_fsdp_float8_all_gather: bool = False
-    """All-gather FSDP parameters in float8 (tensorwise recipe only)."""
-
-    precompute_float8_dynamic_scale_for_fsdp: bool = False
-    """Compute all float8 weight scales in one all-reduce after the optimizer step (tensorwise + float8 all-gather)."""
-
-    auto_filter_small_kn: bool = True
-    """Also keep in high precision the linears too small for float8 to gain (torchao's per-recipe size thresholds, measured on H100); turn off to convert every eligible layer (small models, CPU tests)."""
-
-    emulate: bool = False
-    """Emulate the float8 matmuls in high precision (same rounding, no speed-up): for checking numerics on GPUs without float8 matmuls; always on for CPU, where torch's float8 matmul is a slow reference kernel."""
-
-
-@dataclass
-class DenseQuantize:
-    float8: Float8 = field(default_factory=Float8)
-    """Float8 training of dense linear layers."""
-
-
-@dataclass
-class Quantize:
-    dense: DenseQuantize = field(default_factory=DenseQuantize)
-    """Quantized training of dense layers."""
-
-
-@dataclass
-class Metrics:
-    log_freq: int = 10
-    """Log metrics every this many steps (and at the last step)."""
-
-    enable_tensorboard: bool = False
-    """Write scalars to TensorBoard under job.dump_folder/save_tb_folder."""
-
-    save_tb_folder: str = "tb"
-    """TensorBoard folder, relative to job.dump_folder."""
-
-    enable_wandb: bool = False
-    """Log scalars to Weights & Biases (offline unless WANDB_API_KEY is set)."""
-
-    enable_jsonl: bool = True
-    """Write one JSON object per log step to job.dump_folder/metrics/rank_<r>.jsonl."""
-
-    save_for_all_ranks: bool = False
-    """Every rank writes its own TensorBoard/W&B/JSONL metrics (default: one rank, the one holding the loss)."""
-
-    memory_warmup_steps: int = 3
-    """First steps of a run whose memory growth is expected (allocator warm-up, optimizer state): labelled warm-up in the log and not checked for leaks."""
-
-    memory_leak_window: int = 20
-    """Steps after warm-up over which the leak detector fits a memory trend (at least 8); 0 turns the detector off."""
-
-    memory_leak_min_growth_mib: float = 16.0
-    """Smallest steady growth over one leak window, in MiB, of the memory the detector watches (CUDA: allocated; CPU: C heap in use), reported as a leak; smaller trends count as noise."""
-
-    enable_memory_trace: bool = True
-    """Every rank writes each step's current and peak memory to job.dump_folder/memory/rank_<r>.jsonl."""
-
-    enable_cross_rank_view: bool = True
-    """At log steps, show the min/max over all ranks of step time, data-loading time and peak memory with the rank of each (one small all-reduce)."""
-
-
-@dataclass
-class Profiling:
-    enable_profiling: bool = False
-    """Record torch.profiler traces."""
-
-    save_traces_folder: str = "profile_traces"
-    """Trace folder, relative to job.dump_folder."""
-
-    profile_freq: int = 100
-    """Record a trace every this many steps (the recorded steps end on its multiples)."""
-
-    profiler_warmup: int = 3
-    """Steps profiled and discarded before each recorded window (the profiler's own start-up cost)."""
-
-    profiler_active: int = 1
-    """Steps recorded in each trace."""
-
-    enable_memory_snapshot: bool = False
-    """Record CUDA memory-history snapshots (CUDA only)."""
-
-    save_memory_snapshot_folder: str = "memory_snapshot"
-    """Memory snapshot folder, relative to job.dump_folder."""
-
-
-@dataclass
-class Comm:
-    init_timeout_seconds: int = 300
-    """Timeout for process-group creation and the first collectives."""
-
-    train_timeout_seconds: int = 100
-    """Timeout for collectives once training has started."""
-
-
-@dataclass
-class Validation:
-    enable: bool = False
-    """Evaluate loss and perplexity on a held-out split during training."""
-
-    dataset: str = "test_corpus"
-    """Validation dataset name (see training.dataset)."""
-
-    dataset_path: str | None = None
-    """Local file or folder for the validation dataset."""
-
-    freq: int = 500
-    """Validate every this many steps."""
-
-    steps: int = -1
-    """Batches per validation; -1 runs over the whole split once."""
-
-
-@dataclass
-class Debug:
-    seed: int = 0
-    """Seed for weights, data order and dropout; the same seed gives the same weights at any parallelism."""
-
-    deterministic: bool = False
-    """Use deterministic algorithms (slower; for bitwise reproducibility)."""
-
-
-@dataclass
-class Sft:
-    packing: Literal["pack", "pad"] = "pack"
-    """With training.dataset = chat: pack conversations into each row of seq_len tokens (with model.attn_mask_type = block_causal they cannot attend to each other) or pad one conversation per row (docs/sft.md)."""
-
-    overlong: Literal["truncate", "drop", "error"] = "truncate"
-    """A conversation longer than training.seq_len + 1 tokens is truncated (dropped if no assistant token is left), dropped, or an error naming its file and line (checked before training)."""
-
-    chat_template: Literal["auto", "default", "tokenizer"] = "auto"
-    """How conversations are rendered: the tokenizer's own chat_template (Jinja) when it has one (auto) or always (tokenizer), else the documented default template of docs/sft.md (default)."""
-
-
-@dataclass
-class FaultTolerance:
-    watchdog_timeout_seconds: float = 0.0
-    """When a training step runs longer than this, every rank writes the Python stacks of all its threads and the phase it waits in to <dump_folder>/<watchdog_folder>/ (with the NCCL flight recorder's trace on CUDA); must be shorter than comm.train_timeout_seconds. 0 turns the watchdog off. Armed from step 2 (step 1 includes warm-up)."""
-
-    watchdog_folder: str = "watchdog"
-    """Folder for the watchdog's dumps, relative to job.dump_folder."""
-
-    straggler_margin: float = 0.0
-    """Flag a rank whose step or data time exceeds the fastest rank's by more than this fraction (e.g. 0.5 = 50%), at straggler_log_steps consecutive log steps; 0 turns it off. Uses the cross-rank view (turned on with it)."""
-
-    straggler_log_steps: int = 3
-    """Consecutive log steps a rank must be slow before it is flagged as a straggler."""
 
 
 @dataclass

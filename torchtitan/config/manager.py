@@ -1,4 +1,5 @@
-"""Load a JobConfig: defaults < TOML file < command line, with strict keys and types.
+"""Load a JobConfig: defaults < TOML files (their ``extends`` chains: config/compose.py) < command
+line, with strict keys and types.
 
 Command-line overrides are ``--section.field value`` or ``--section.field=value``; nested
 sections use more dots (``--quantize.dense.float8.enable``); booleans may be bare flags or
@@ -20,7 +21,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from torchtitan.config import job_config as job_config_module
+from torchtitan.config import compose
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 
@@ -37,7 +38,7 @@ _FALSE = {"false", "0", "no", "off"}
 @cache
 def field_docs(cls: Any) -> dict[str, str]:
     """Attribute docstrings (the string literal right after each field) of a dataclass."""
-    tree = ast.parse(inspect.getsource(job_config_module))
+    tree = ast.parse(inspect.getsource(sys.modules[cls.__module__]))
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == cls.__name__:
             docs: dict[str, str] = {}
@@ -363,16 +364,26 @@ def _apply_cli(cfg: JobConfig, items: list[tuple[str, str | None, bool]]) -> Non
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
-    """Build the JobConfig from ``argv`` (defaults < --job.config_file TOML < other overrides).
+    """Build the JobConfig from ``argv`` (defaults < --job.config_file TOML files and their
+    ``extends`` chains, in order < other overrides; config/compose.py).
     Only parses: ``torchtitan.preflight.validate.load_config`` parses and validates."""
+    return parse_args_with_sources(argv)[0]
+
+
+def parse_args_with_sources(argv: list[str] | None = None) -> tuple[JobConfig, dict[str, str]]:
+    """``parse_args``, plus where each value that is not a default came from: dotted field ->
+    the file that set it last, or ``"command line"``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     items = _split_cli(argv)
     cfg = JobConfig()
-    config_file = next((v for k, v, _ in items if k == "job.config_file"), None)
-    if config_file:
-        _apply_mapping(cfg, load_toml(config_file), "")
+    sources: dict[str, str] = {}
+    files = compose.split_files([v for k, v, _ in items if k == "job.config_file"])
+    compose.apply_layers(cfg, compose.layers_of(files, load_toml), _apply_mapping, sources)
     _apply_cli(cfg, items)
-    return cfg
+    if files:
+        cfg.job.config_file = ",".join(files)
+    sources.update(dict.fromkeys((k for k, _, _ in items), compose.COMMAND_LINE))
+    return cfg, sources
 
 
 # --------------------------------------------------------------------------- output

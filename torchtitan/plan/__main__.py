@@ -22,16 +22,15 @@ Exit status: 0 with at least one fitting layout, 1 when none fits, 2 on a bad ar
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import replace
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.models import MODELS
+from torchtitan.plan.auto import device_peak_tflops
 from torchtitan.plan.estimator import format_bytes, model_args_for
 from torchtitan.plan.planner import Hardware, plan
-from torchtitan.tools.peak_flops import DATASHEET_PEAK_TFLOPS
 
 _OPTIONS = {
     "--world_size": int,
@@ -66,17 +65,6 @@ def _take_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
             rest.append(argv[i])
             i += 1
     return found, rest
-
-
-def device_peak_tflops(name: str) -> float:
-    """Dense bf16 datasheet peak of a device named like torch.cuda.get_device_name()."""
-    for pattern, peaks in DATASHEET_PEAK_TFLOPS:
-        if re.search(pattern, name, flags=re.IGNORECASE) and "bf16" in peaks:
-            return peaks["bf16"]
-    known = ", ".join(p for p, _ in DATASHEET_PEAK_TFLOPS)
-    raise ValueError(
-        f"--device {name!r} is not in the datasheet table ({known}); give --peak_tflops"
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,14 @@ def _collective_s(nbytes: float, n: int, hw: Hardware, spans_nodes: bool) -> flo
     return nbytes * (n - 1) / n / bw + (n - 1) * latency
 
 
+def _latencies_s(count: float, n: int, hw: Hardware, spans_nodes: bool) -> float:
+    """The latency of ``count`` more collectives over ``n`` ranks (their bytes counted apart)."""
+    if n <= 1:
+        return 0.0
+    latency = (hw.inter_latency_us if spans_nodes else hw.intra_latency_us) * 1e-6
+    return count * (n - 1) * latency
+
+
 def _gemm_efficiency(width: float, hw: Hardware) -> float:
     """Relative matmul efficiency of a sharded width: ``width / (width + gemm_half_width)``."""
     return width / (width + hw.gemm_half_width)
@@ -69,7 +77,7 @@ def step_time(
     cfg: JobConfig, a: ModelArgs, layout: Layout, hw: Hardware, world_size: int
 ) -> tuple[float, dict[str, float]]:
     seq = cfg.training.seq_len
-    act = param_dtype_bytes(cfg, "cuda")
+    act = param_dtype_bytes(cfg, hw.device_type)
     g = hw.gpus_per_node
     tokens_device = layout.global_batch_size * seq / world_size
     all_blocks = a.n_layers * active_block_params(a, block_params(a))
@@ -126,9 +134,17 @@ def step_time(
     else:
         gathers, reduces = 2 * layout.accumulation, layout.accumulation
     gather_s = reduce_s = 0.0
+    # FSDP wraps each block and the root: one collective per unit and pass, each with its latency
+    # (what makes FSDP slower than DDP where latency is high: gloo on busy CPU cores).
+    units = max(1, round(layers_here)) + 1
+    extra = _latencies_s(units - 1, n_shard, hw, shard_spans)
     if n_shard > 1:
-        gather_s = gathers * _collective_s(params_rank * act, n_shard, hw, shard_spans)
-        reduce_s = reduces * _collective_s(params_rank * grad_bytes, n_shard, hw, shard_spans)
+        gather_s = gathers * (_collective_s(params_rank * act, n_shard, hw, shard_spans) + extra)
+        reduce_s = reduces * (
+            hw.reduce_scatter_factor
+            * _collective_s(params_rank * grad_bytes, n_shard, hw, shard_spans)
+            + extra
+        )
     if experts and efsdp > 1:
         gather_s += gathers * _collective_s(experts_rank * act, efsdp, hw, shard_spans)
         reduce_s += reduces * _collective_s(experts_rank * grad_bytes, efsdp, hw, shard_spans)
@@ -139,6 +155,9 @@ def step_time(
             hw,
             True,
         )
+        # per FSDP unit under HSDP; pure DDP (replicate of the whole model) is one all-reduce
+        if n_shard > 1:
+            reduce_s += 2 * _latencies_s(units - 1, layout.dp_replicate, hw, True)
     fsdp_total = gather_s + reduce_s
     work = compute + recompute + tp_gemm
     fsdp = max(0.0, fsdp_total - hw.fsdp_overlap * work)
@@ -170,7 +189,8 @@ def step_time(
         # microbatch's forward and the pipeline fill.
         fsdp = reduce_s + max(0.0, gather_s - hw.fsdp_overlap * (work / mb + bubble))
         boundary = tokens_group / mb * a.dim / layout.tp * act
-        pp_p2p = 2 * mb * v * boundary / (hw.inter_node_gbps * 1e9)
+        # a send and a receive per microbatch and local stage, forward and backward
+        pp_p2p = 2 * mb * v * (boundary / (hw.inter_node_gbps * 1e9) + hw.inter_latency_us * 1e-6)
     terms = {
         "compute": compute,
         "recompute": recompute,
@@ -193,8 +213,16 @@ def step_time(
             params_rank / n_shard, gathers, moments, hw.host_device_gbps, hw.host_memory_gbps
         )
         terms["offload_copies"], terms["offload_optimizer"] = copies, optimizer
+    # The optimizer step over this rank's parameters (sharded by FSDP, split by TP and PP);
+    # offload moves it to the host (offload_seconds).
+    terms["optimizer"] = 0.0
+    if "cpu_offload" not in layout.levers:
+        state = 4 + 4 + (4 if "bf16_moments" in layout.levers else 8)
+        shard = params_rank / n_shard + experts_rank / max(1, efsdp)
+        terms["optimizer"] = shard * state / (hw.optimizer_gbps * 1e9)
     frac = _recompute_fraction(a, layout.ac_mode, layout.ac_option)
     terms.update(moe_step_terms(a, layout, hw, seq, act, peak, frac))
     total = work + bubble + tp + cp + fsdp + pp_p2p + terms["all_to_all"] + terms["moe_tp"]
     total += terms["chunked_loss"] + terms["offload_copies"] + terms["offload_optimizer"]
+    total += terms["optimizer"]
     return total, terms

@@ -46,6 +46,16 @@ class Hardware:
     """Host-device bandwidth one device sees, GB/s, for CPU offload's copies (plan/levers.py)."""
     host_memory_gbps: float = 10.0
     """Host memory bandwidth one device's CPU optimizer step gets, GB/s (plan/levers.py)."""
+    reduce_scatter_factor: float = 1.0
+    """Time of a reduce-scatter relative to an all-gather moving the same bytes (1 for NCCL's
+    rings; gloo's CPU reduce-scatter is slower, measured by benchmarks/planner_vs_measured.py)."""
+    optimizer_gbps: float = 2000.0
+    """Rate at which the optimizer step streams its per-parameter state (parameter, gradient, two
+    moments) through memory, GB/s: the device's memory on a GPU (negligible next to a step), the
+    host's on CPU ranks, where it is not (measured by benchmarks/planner_vs_measured.py)."""
+    device_type: str = "cuda"
+    """The devices' kind: it sets the compute dtype's size in the step-time model (``auto``
+    mixed precision is bf16 on CUDA, fp32 on CPU). Memory is always estimated for CUDA."""
 
 
 @dataclass(frozen=True)
