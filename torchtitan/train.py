@@ -13,6 +13,7 @@ from torchtitan.distributed.utils import destroy_distributed
 from torchtitan.guards.spikes import TrainingAborted
 from torchtitan.launch import report_stop
 from torchtitan.plan.explain import explain
+from torchtitan.plan.fit import check_fit
 from torchtitan.preflight.validate import load_config, world_size_from_env
 from torchtitan.trainer import Trainer
 
@@ -24,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = load_config(argv)  # parse and validate, before any process group
+        if not cfg.job.explain:
+            check_fit(cfg, world_size_from_env())  # this machine's memory (job.fit_check)
     except ConfigError as e:
         return config_error(e)
     if cfg.job.explain:  # the preflight plan, then exit: no process group, no training

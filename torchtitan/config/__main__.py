@@ -1,6 +1,7 @@
 """``python -m torchtitan.config --job.config_file F [overrides]``.
 
-Prints the resolved config as TOML and exits 0, or prints the error and exits 2.
+Prints the resolved config as TOML and exits 0, or prints the error and exits 2. The job must
+also fit this machine's memory (``job.fit_check``, ``torchtitan/plan/fit.py``).
 ``--world_size N`` validates for N ranks (default: $WORLD_SIZE or 1); ``--help`` lists every field.
 """
 
@@ -11,7 +12,8 @@ import sys
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import help_text, to_toml
 from torchtitan.plan.explain import explain
-from torchtitan.preflight.validate import load_config, world_size_from_env
+from torchtitan.plan.fit import check_fit
+from torchtitan.preflight.validate import load_config, parse_world_size, world_size_from_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,17 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
-    world_size = world_size_from_env()
-    if "--world_size" in argv:
-        i = argv.index("--world_size")
-        try:
-            world_size = int(argv[i + 1])
-        except (IndexError, ValueError):
-            print("error: --world_size needs an integer", file=sys.stderr)
-            return 2
-        del argv[i : i + 2]
     try:
+        world_size = world_size_from_env()
+        if "--world_size" in argv:
+            i = argv.index("--world_size")
+            world_size = parse_world_size(argv[i + 1] if i + 1 < len(argv) else "")
+            del argv[i : i + 2]
         cfg = load_config(argv, world_size=world_size)
+        if not cfg.job.explain:  # explain reports the estimate against the device instead
+            check_fit(cfg, world_size)  # the memory of this machine (docs/planning.md)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

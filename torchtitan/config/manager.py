@@ -215,6 +215,17 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             "job.config_file", str(path), f"is not valid TOML ({e})", "fix the syntax"
         ) from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8 only (e.g. a file saved as UTF-16)
+        raise ConfigError(
+            "job.config_file",
+            str(path),
+            f"is not UTF-8 text (byte {e.start}: {e.reason}); TOML files must be UTF-8",
+            "save the file as UTF-8",
+        ) from None
+    except OSError as e:  # e.g. no read permission
+        raise ConfigError(
+            "job.config_file", str(path), f"cannot be read ({e.strerror})", "check the file"
+        ) from None
 
 
 # --------------------------------------------------------------------------- command line
@@ -339,7 +350,8 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     argv = list(sys.argv[1:] if argv is None else argv)
     items = _split_cli(argv)
     cfg = JobConfig()
-    config_file = next((v for k, v, _ in items if k == "job.config_file"), None)
+    # Repeated, the last --job.config_file wins (as for every other option).
+    config_file = next((v for k, v, _ in reversed(items) if k == "job.config_file"), None)
     if config_file:
         _apply_mapping(cfg, load_toml(config_file), "")
     _apply_cli(cfg, items)
