@@ -30,7 +30,7 @@ else:  # pragma: no cover
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
-FIELDS = [(path, tp) for path, tp, _default, _doc in iter_fields()]
+FIELDS = [(path, tp, default) for path, tp, default, _doc in iter_fields()]
 WORLD_SIZES = st.sampled_from([1, 2, 3, 4, 6, 8, 16, 64])
 
 
@@ -60,8 +60,19 @@ _PATHS = st.sampled_from(
 )
 
 
-def value_for(tp: Any) -> st.SearchStrategy[Any]:
-    """A value of the annotation ``tp``, valid or not (wrong types are part of the draw)."""
+_NAMES = st.sampled_from(
+    ["llama3", "qwen3", "debugmodel", "debugmodel_moe", "8B", "0.6B", "1B", "405B"]
+    + ["test_corpus", "c4", "tokenized", "mixture", "chat", "1F1B", "GPipe", "Interleaved1F1B"]
+    + ["ZBVZeroBubble", "DualPipeV", "layers.1", "layers.3", "model", "loss", "output", "2", "op"]
+)
+_REALISTIC_INTS = st.sampled_from([-1, 0, 1, 2, 3, 4, 8, 16, 64, 128, 256, 512])
+_REALISTIC_FLOATS = st.sampled_from([-1.0, 0.0, 1e-4, 0.1, 0.5, 0.9, 0.95, 1.0, 2.0])
+
+
+def value_for(tp: Any, default: Any = None, valid_type: bool = False) -> st.SearchStrategy[Any]:
+    """A value of the annotation ``tp``, valid or not (wrong types are part of the draw unless
+    ``valid_type``); realistic values (small ints, known names) dominate, so the draw also
+    reaches the cross-field rules and the fit check, not only the type checks."""
     inner, optional = _strip_optional(tp)
     wrong = st.one_of(st.booleans(), _SMALL_INTS, _ODD_TEXT, st.floats())
     if get_origin(inner) is Literal:
@@ -69,22 +80,26 @@ def value_for(tp: Any) -> st.SearchStrategy[Any]:
     elif inner is bool:
         good = st.booleans()
     elif inner is int:
-        good = _SMALL_INTS | st.integers(-10, 100)
+        good = _REALISTIC_INTS | _REALISTIC_INTS | _SMALL_INTS | st.integers(-10, 100)
     elif inner is float:
-        good = st.floats() | st.sampled_from([0.0, 1e-4, 0.5, 1.0, -1.0])
+        good = _REALISTIC_FLOATS | _REALISTIC_FLOATS | st.floats()
     elif inner is str:
-        good = _PATHS | _ODD_TEXT
+        good = _NAMES | _PATHS | _ODD_TEXT
+        if isinstance(default, str):
+            good = st.just(default) | good
     elif get_origin(inner) is list:
         (elem,) = get_args(inner)
         if isinstance(elem, type) and hasattr(elem, "__dataclass_fields__"):
             keys = list(elem.__dataclass_fields__) + ["bogus"]
-            table = st.dictionaries(st.sampled_from(keys), wrong | _PATHS, max_size=4)
+            table = st.dictionaries(
+                st.sampled_from(keys), _NAMES | _PATHS | _REALISTIC_FLOATS | wrong, max_size=4
+            )
             good = st.lists(table, max_size=3)
         else:
-            good = st.lists(value_for(elem), max_size=3)
+            good = st.lists(value_for(elem, None, valid_type), max_size=3)
     else:  # pragma: no cover - a new annotation kind: teach the fuzzer
         raise AssertionError(f"no strategy for {tp!r}")
-    out = st.one_of(good, good, wrong)
+    out = good if valid_type else st.one_of(good, good, good, good, wrong)
     return out | st.none() if optional else out
 
 
@@ -99,9 +114,11 @@ def cli_text(v: Any) -> str:
 
 @st.composite
 def field_overrides(draw: st.DrawFn, max_fields: int = 6) -> list[tuple[str, Any]]:
-    """Pairs (dotted field, value) drawn from the JobConfig schema."""
+    """Pairs (dotted field, value) drawn from the JobConfig schema; in half the draws every
+    value has its field's type (the deeper rules), in the other half anything goes."""
     chosen = draw(st.lists(st.sampled_from(FIELDS), max_size=max_fields))
-    return [(path, draw(value_for(tp))) for path, tp in chosen]
+    typed = draw(st.booleans())
+    return [(path, draw(value_for(tp, default, typed))) for path, tp, default in chosen]
 
 
 # --------------------------------------------------------------------------- TOML writing

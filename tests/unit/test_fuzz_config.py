@@ -95,7 +95,7 @@ def schema_cli_case(sandbox: Path, overrides: list[tuple[str, Any]], world: int)
         (sandbox / "sandbox_dir" / "roundtrip.toml").unlink()
 
 
-_FIELD_NAMES = [p for p, _ in FIELDS]
+_FIELD_NAMES = [p for p, _tp, _default in FIELDS]
 _TOKENS = st.one_of(
     st.sampled_from(_FIELD_NAMES).map(lambda p: f"--{p}"),
     st.sampled_from(_FIELD_NAMES).map(lambda p: f"--no-{p}"),
@@ -216,9 +216,7 @@ def test_fuzz_schema_toml_large(
 @pytest.mark.slow
 @slow(600)
 @given(overrides=field_overrides(max_fields=12), world=WORLD_SIZES)
-def test_fuzz_schema_cli_large(
-    sandbox: Path, overrides: list[tuple[str, Any]], world: int
-) -> None:
+def test_fuzz_schema_cli_large(sandbox: Path, overrides: list[tuple[str, Any]], world: int) -> None:
     schema_cli_case(sandbox, overrides, world)
 
 

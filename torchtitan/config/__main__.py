@@ -7,6 +7,7 @@ also fit this machine's memory (``job.fit_check``, ``torchtitan/plan/fit.py``).
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from torchtitan.config.errors import ConfigError
@@ -14,6 +15,7 @@ from torchtitan.config.manager import help_text, to_toml
 from torchtitan.plan.explain import explain
 from torchtitan.plan.fit import check_fit
 from torchtitan.preflight.validate import load_config, parse_world_size, world_size_from_env
+from torchtitan.tools.logging import logger
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +23,19 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
+    # The checks' warnings go to stderr as "warning: ..." (stdout is the TOML, which
+    # run_train.sh discards).
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    logger.addHandler(handler)
+    try:
+        return _run(argv)
+    finally:
+        logger.removeHandler(handler)
+
+
+def _run(argv: list[str]) -> int:
     try:
         world_size = world_size_from_env()
         if "--world_size" in argv:
