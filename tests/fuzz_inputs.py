@@ -193,9 +193,9 @@ def assert_config_property(argv: list[str]) -> int:
     rc, out, err = run_config_cli(argv)
     assert rc in (0, 2), (rc, argv, err)
     if rc == 2:
-        lines = err.strip().splitlines()
-        assert len(lines) == 1, f"not one line for argv={argv!r}: {err!r}"
-        line = lines[0]
+        # One error line, after any warnings the input itself caused ("warning: ...").
+        *warned, line = err.strip().splitlines()
+        assert all(w.startswith("warning: ") for w in warned), f"argv={argv!r}: {err!r}"
         assert line.startswith("config error: ") and "Fix: " in line, line
         assert "Traceback" not in err
         return rc

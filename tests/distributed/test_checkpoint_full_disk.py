@@ -111,7 +111,11 @@ def _run(tmp: str, phase: str, where: str, async_mode: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize(
     ("where", "async_mode"),
-    [("data", "disabled"), ("data", "async"), ("manifest", "disabled")],
+    [
+        ("data", "disabled"),
+        pytest.param("data", "async", marks=pytest.mark.slow),
+        pytest.param("manifest", "disabled", marks=pytest.mark.slow),
+    ],
 )
 def test_full_disk_keeps_the_previous_checkpoint(
     tmp_path: Path, where: str, async_mode: str

@@ -328,6 +328,20 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "job.config_file",
         "is not valid TOML",
     ),
+    (
+        "config-file-utf16",
+        ["--job.config_file", "{d}/utf16.toml"],
+        1,
+        "job.config_file",
+        "is not UTF-8 text",
+    ),
+    (
+        "fit-check-choice",
+        ["--job.fit_check", "maybe"],
+        1,
+        "job.fit_check",
+        "must be one of ['error', 'warn', 'off']",
+    ),
 ]
 
 
@@ -343,6 +357,7 @@ def make_bad_files(d: Path) -> None:
     (d / "nodata").mkdir()
     (d / "nodata" / "validation.jsonl").write_text(good + "\n")
     (d / "broken.toml").write_text("[training\nsteps = 3\n")
+    (d / "utf16.toml").write_bytes("[training]\nsteps = 3\n".encode("utf-16"))
 
 
 def argv_of(args: list[str], d: Path) -> list[str]:
