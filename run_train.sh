@@ -76,8 +76,9 @@ export HF_DATASETS_OFFLINE="${HF_DATASETS_OFFLINE:-0}"
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 
 # torchtitan.launch is torchrun with our exit codes: 0 done or gracefully preempted, 2 config or
-# data error, 1 any other failure (docs/errors.md, "Exit codes"). Pass only options torch 2.11's
-# torchrun accepts, or the launcher's own (tests/unit/test_launch_options.py checks).
+# data error, 3 aborted by a guard, 4 a checkpoint write failed (full disk), 1 any other
+# failure (docs/errors.md, "Exit codes"). Pass only options torch 2.11's torchrun accepts, or
+# the launcher's own (tests/unit/test_launch_options.py checks).
 exec "$python" -m torchtitan.launch \
     --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \

@@ -35,8 +35,9 @@ command -v "$python" >/dev/null || { log "error: '$python' not found; set PYTHON
 constraints="$(mktemp)"
 trap 'rm -f "$constraints"' EXIT
 # The installed distribution's version (2.15.0 for PyPI's CUDA wheel, whose torch.__version__
-# says 2.15.0+cu132): what a pip constraint must name to match it.
-torch_dist='import importlib.metadata as m, torch; print(m.version("torch"))'
+# says 2.15.0+cu132): what a pip constraint must name to match it. Read from the metadata, not
+# by importing torch: before numpy is installed, torch's import warns "Failed to initialize NumPy".
+torch_dist='import importlib.metadata as m; print(m.version("torch"))'
 
 # torchao releases are built for one torch minor version each.
 torchao_for() {

@@ -44,3 +44,24 @@ def newest_torch_rules(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(torch_compat, "V_SCHEDULES_MIN_TORCH", (0, 0))
     monkeypatch.setattr(torch_compat, "PIPELINE_STAGE_GET_MESH", True)
+
+
+# Hypothesis profiles for the fuzz tests (tests/unit/test_fuzz_*.py): the fast tier runs a small,
+# derandomized budget (the same cases on every run, so CI is deterministic); the ``slow`` tests
+# take ``fuzz_slow`` explicitly with their large budgets and a fresh random draw each run.
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_FUZZ_COMMON: dict = dict(
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+        HealthCheck.function_scoped_fixture,
+    ],
+)
+settings.register_profile("fuzz_fast", derandomize=True, max_examples=50, **_FUZZ_COMMON)
+settings.register_profile("fuzz_slow", max_examples=1000, **_FUZZ_COMMON)
+settings.load_profile("fuzz_fast")

@@ -9,6 +9,8 @@ with exit codes a user can act on (``run_train.sh`` uses it; docs/errors.md, "Ex
   clean end.
 - 2: a rank stopped on a config or data error (the rank printed the one-line message; it is
   repeated here, without torchrun's ``ChildFailedError`` traceback).
+- 4: a checkpoint could not be written (a full disk): its partial files were removed, the
+  previous checkpoint is intact.
 - 1: a rank failed otherwise (its traceback is in the rank's output).
 - 128 + N: signal N arrived and some rank did not stop cleanly (e.g. checkpointing off).
 
@@ -149,6 +151,10 @@ def main(argv: list[str]) -> int:
         if aborted:  # a spike / non-finite policy gave up: a training failure, not bad input
             print(f"error: {aborted[0].read_text().strip()}", file=sys.stderr)
             return 3
+        unwritten = sorted(folder.glob("writefail_*"))
+        if unwritten:  # a checkpoint could not be written (full disk): the previous one is kept
+            print(f"error: {unwritten[0].read_text().strip()}", file=sys.stderr)
+            return 4
         errors = sorted(folder.glob("error_*"))
         if errors:
             print(f"error: {errors[0].read_text().strip()}", file=sys.stderr)

@@ -7,6 +7,7 @@ import sys
 
 from torchtitan.checkpoint.safety import CheckpointSafetyError
 from torchtitan.checkpoint.trust import UntrustedCheckpointError
+from torchtitan.checkpoint.write_errors import CheckpointWriteError
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import help_text
 from torchtitan.distributed.utils import destroy_distributed
@@ -14,6 +15,7 @@ from torchtitan.guards.spikes import TrainingAborted
 from torchtitan.launch import report_stop
 from torchtitan.plan.auto import load_config
 from torchtitan.plan.explain import explain
+from torchtitan.plan.fit import check_fit
 from torchtitan.preflight.validate import world_size_from_env
 from torchtitan.tools.logging import init_logger
 from torchtitan.trainer import Trainer
@@ -27,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # parse, choose the layout (--parallelism.auto), validate: before any process group
         cfg, _, auto_note = load_config(argv)
+        if not cfg.job.explain:
+            check_fit(cfg, world_size_from_env())  # this machine's memory (job.fit_check)
     except ConfigError as e:
         return config_error(e)
     if auto_note and int(os.environ.get("RANK", "0")) == 0:
@@ -45,12 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         destroy_distributed()
         return checkpoint_error(e)
     try:
-        if cfg.checkpoint.create_seed_checkpoint:
-            # One process, all degrees 1 (validated): save the initial weights, no training.
-            assert trainer.checkpointer is not None
-            trainer.checkpointer.save_seed()
-        else:
-            trainer.train()
+        try:
+            if cfg.checkpoint.create_seed_checkpoint:
+                # One process, all degrees 1 (validated): save the initial weights, no training.
+                assert trainer.checkpointer is not None
+                trainer.checkpointer.save_seed()
+            else:
+                trainer.train()
+        finally:
+            trainer.close()  # commits a background save: its failure is handled below
     except ConfigError as e:  # e.g. a malformed record met in the middle of the data
         return config_error(e)
     except CHECKPOINT_ERRORS as e:  # e.g. a rollback to an untrusted checkpoint
@@ -59,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training aborted: {e}", file=sys.stderr)
         report_stop("aborted", f"rank {os.environ.get('RANK', '0')}: training aborted: {e}")
         return 3
+    except CheckpointWriteError as e:  # a full disk: partial save removed, previous kept
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        report_stop("writefail", f"rank {os.environ.get('RANK', '0')}: checkpoint error: {e}")
+        return 4
     finally:
-        trainer.close()
         destroy_distributed()
     # To the launcher: this rank ended cleanly (a signal that came at the very end, after the
     # last step, also ends here), at this step.

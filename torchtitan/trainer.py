@@ -395,8 +395,10 @@ class Trainer:
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-        self.profiling.stop()
-        self.metrics.close()
-        gc.enable()
+        try:  # committing a background save may fail (a full disk): close the rest anyway
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        finally:
+            self.profiling.stop()
+            self.metrics.close()
+            gc.enable()

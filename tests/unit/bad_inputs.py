@@ -381,6 +381,20 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "training.stepz",
         "is not a field of [training] (in",
     ),
+    (
+        "config-file-utf16",
+        ["--job.config_file", "{d}/utf16.toml"],
+        1,
+        "job.config_file",
+        "is not UTF-8 text",
+    ),
+    (
+        "fit-check-choice",
+        ["--job.fit_check", "maybe"],
+        1,
+        "job.fit_check",
+        "must be one of ['error', 'warn', 'off']",
+    ),
 ]
 
 
@@ -403,6 +417,7 @@ def make_bad_files(d: Path) -> None:
     (d / "cycle_b.toml").write_text('extends = "cycle_a.toml"\n')
     (d / "orphan.toml").write_text('extends = "no_such_base.toml"\n')
     (d / "typo.toml").write_text("[training]\nstepz = 3\n")
+    (d / "utf16.toml").write_bytes("[training]\nsteps = 3\n".encode("utf-16"))
 
 
 def argv_of(args: list[str], d: Path) -> list[str]:

@@ -66,6 +66,7 @@ from torchtitan.checkpoint.trust import (
     decode_state,
     encode_state,
 )
+from torchtitan.checkpoint.write_errors import remove_partial_on_write_error
 from torchtitan.guards.spikes import TrainingAborted, weights_finite
 from torchtitan.tools.logging import logger
 from torchtitan.tools.torch_compat import DEFAULT_STAGER_SINGLE_USE
@@ -431,8 +432,9 @@ class CheckpointManager:
         else:
             sd = self._model_only(self.export_dtype if kind == "export" else None)
         if self.async_mode == "disabled" or blocking or kind != "full":
-            dcp.save(sd, checkpoint_id=str(tmp), process_group=self.pg)
-            self._commit(step, kind)
+            with remove_partial_on_write_error(self.root, step, self.rank, self.pg):
+                dcp.save(sd, checkpoint_id=str(tmp), process_group=self.pg)
+                self._commit(step, kind)
             self.last_save_blocking_s = time.perf_counter() - t0
             what = {
                 "full": "",
@@ -466,7 +468,8 @@ class CheckpointManager:
         step, future = self._pending
         self._pending = None
         t0 = time.perf_counter()
-        self._commit(step, "full", future.result())
+        with remove_partial_on_write_error(self.root, step, self.rank, self.pg):
+            self._commit(step, "full", future.result())
         logger.info(
             f"checkpoint: background save of step {step} committed (waited "
             f"{time.perf_counter() - t0:.2f} s)"
@@ -481,22 +484,31 @@ class CheckpointManager:
             mine = io.digest_files(tmp, prefix=f"__{self.rank}_")
         gathered: list[Any] = [None] * self.world_size if self.rank == 0 else []
         dist.gather_object(mine, gathered if self.rank == 0 else None, dst=0, group=self.pg)
+        failed: list[Any] = [None]  # rank 0's OSError (e.g. a full disk), shared with all
         if self.rank == 0:
             files: dict[str, Any] = {}
             for part in gathered:
                 files.update(part)
-            io.commit(self.root, step, files, self.world_size, kind=kind)
-            for p in io.purge(self.root, self.keep_latest_k, newest=step):
-                logger.info(f"checkpoint: removed {p}")
-        dist.barrier(group=self.pg)
+            try:
+                io.commit(self.root, step, files, self.world_size, kind=kind)
+            except OSError as e:
+                failed[0] = e
+            else:
+                for p in io.purge(self.root, self.keep_latest_k, newest=step):
+                    logger.info(f"checkpoint: removed {p}")
+        dist.broadcast_object_list(failed, src=0, group=self.pg)
+        if failed[0] is not None:
+            raise failed[0]
 
     def close(self) -> None:
         """Wait for a background save and commit it; restore the default signal handlers."""
-        if self._pending is not None:
-            self._finish_pending()
-        if self._stager is not None:
-            self._stager.close()
-        if self._digester is not None:
-            self._digester.shutdown()
-        for sig, handler in self._old_handlers.items():
-            signal.signal(sig, handler)
+        try:
+            if self._pending is not None:
+                self._finish_pending()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+            if self._digester is not None:
+                self._digester.shutdown()
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)

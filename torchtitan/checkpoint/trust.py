@@ -93,7 +93,15 @@ class SafeFileSystemReader(FileSystemReader):
         else:  # older layouts of FileSystemReader: one .metadata in the folder
             path = pathlib.Path(str(self.path)) / ".metadata"
         with self.fs.create_stream(path, "rb") as f:
-            metadata = MetadataUnpickler(f).load()
+            try:
+                metadata = MetadataUnpickler(f).load()
+            except UntrustedCheckpointError:
+                raise
+            except Exception as e:  # truncated, bit-flipped or crafted: never a traceback
+                raise UntrustedCheckpointError(
+                    f"{path} is not a readable DCP .metadata ({type(e).__name__}: {e}); "
+                    "the checkpoint is damaged or was not written by DCP"
+                ) from None
         if not isinstance(metadata, Metadata):
             raise UntrustedCheckpointError(
                 f"{path} holds a {type(metadata).__name__}, not DCP Metadata"

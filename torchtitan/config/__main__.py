@@ -1,6 +1,7 @@
 """``python -m torchtitan.config --job.config_file F [overrides]``.
 
-Prints the resolved config as TOML and exits 0, or prints the error and exits 2.
+Prints the resolved config as TOML and exits 0, or prints the error and exits 2. The job must
+also fit this machine's memory (``job.fit_check``, ``torchtitan/plan/fit.py``).
 ``--world_size N`` validates for N ranks (default: $WORLD_SIZE or 1); ``--sources`` writes after
 each value where it came from (default, which file, command line, parallelism.auto, derived:
 docs/configs.md); ``--help`` lists every field. With ``--parallelism.auto`` the chosen layout is
@@ -9,6 +10,7 @@ applied and the line naming it goes to stderr.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from torchtitan.config.compose import annotate
@@ -17,7 +19,9 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import help_text, to_toml
 from torchtitan.plan.auto import load_config
 from torchtitan.plan.explain import explain
-from torchtitan.preflight.validate import world_size_from_env
+from torchtitan.plan.fit import check_fit
+from torchtitan.preflight.validate import parse_world_size, world_size_from_env
+from torchtitan.tools.logging import logger
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,19 +29,30 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
-    world_size = world_size_from_env()
-    if "--world_size" in argv:
-        i = argv.index("--world_size")
-        try:
-            world_size = int(argv[i + 1])
-        except (IndexError, ValueError):
-            print("error: --world_size needs an integer", file=sys.stderr)
-            return 2
-        del argv[i : i + 2]
+    # The checks' warnings go to stderr as "warning: ..." (stdout is the TOML, which
+    # run_train.sh discards).
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(logging.Formatter("warning: %(message)s"))
+    logger.addHandler(handler)
+    try:
+        return _run(argv)
+    finally:
+        logger.removeHandler(handler)
+
+
+def _run(argv: list[str]) -> int:
     show_sources = "--sources" in argv
     argv = [a for a in argv if a != "--sources"]
     try:
+        world_size = world_size_from_env()
+        if "--world_size" in argv:
+            i = argv.index("--world_size")
+            world_size = parse_world_size(argv[i + 1] if i + 1 < len(argv) else "")
+            del argv[i : i + 2]
         cfg, sources, note = load_config(argv, world_size=world_size)
+        if not cfg.job.explain:  # explain reports the estimate against the device instead
+            check_fit(cfg, world_size)  # the memory of this machine (docs/planning.md)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

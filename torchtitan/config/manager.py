@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import sys
 import types
 import typing
@@ -220,6 +221,17 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             "job.config_file", str(path), f"is not valid TOML ({e})", "fix the syntax"
         ) from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8 only (e.g. a file saved as UTF-16)
+        raise ConfigError(
+            "job.config_file",
+            str(path),
+            f"is not UTF-8 text (byte {e.start}: {e.reason}); TOML files must be UTF-8",
+            "save the file as UTF-8",
+        ) from None
+    except OSError as e:  # e.g. no read permission
+        raise ConfigError(
+            "job.config_file", str(path), f"cannot be read ({e.strerror})", "check the file"
+        ) from None
 
 
 # --------------------------------------------------------------------------- command line
@@ -392,8 +404,8 @@ def _toml_value(v: Any) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, str):  # a TOML basic string: JSON's escapes, and DEL (TOML forbids it raw)
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot write {v!r} as TOML")

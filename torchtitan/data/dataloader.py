@@ -260,7 +260,14 @@ class ParallelAwareDataloader(StatefulDataLoader):
         # Each iter() draws a base seed; from a private generator, so creating the iterator
         # does not advance torch's global RNG (whose state a checkpoint restores bitwise).
         kwargs.setdefault("generator", torch.Generator())
-        super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, **kwargs)
+        with warnings.catch_warnings():
+            # torchdata 0.11's StatefulDataLoader.__init__ itself calls torch.set_vital, which
+            # torch >= 2.12 deprecates; no argument avoids that call. Only that warning, only
+            # here (docs/errors.md: a run prints no warning its user did not cause).
+            warnings.filterwarnings(
+                "ignore", message="'set_vital' is deprecated", category=UserWarning
+            )
+            super().__init__(dataset, batch_size=batch_size, num_workers=num_workers, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -43,7 +43,20 @@ from torchtitan.tools.logging import logger
 
 def world_size_from_env() -> int:
     """The world size torchrun will give us (1 when launched without torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return parse_world_size(os.environ.get("WORLD_SIZE", "1"), "$WORLD_SIZE")
+
+
+def parse_world_size(raw: str, where: str = "--world_size") -> int:
+    """A world size as written (``--world_size N`` or ``$WORLD_SIZE``): an integer >= 1."""
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ConfigError(
+            where, raw, "must be an integer >= 1 (the number of ranks)", f"use e.g. {where} 8"
+        )
+    return n
 
 
 def load_config(argv: list[str] | None = None, world_size: int | None = None) -> JobConfig:
@@ -86,6 +99,8 @@ def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
 def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     """Raise ConfigError on the first rule the config breaks."""
     world_size = world_size_from_env() if world_size is None else world_size
+    if world_size < 1:
+        parse_world_size(str(world_size), "world_size")  # raises: no ranks
     validate_values(cfg)  # every number finite and in range, every choice valid
     validate_speed_features(cfg)
     validate_observability(cfg)

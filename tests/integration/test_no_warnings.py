@@ -1,0 +1,65 @@
+"""A default run prints no warning its user did not cause (issue #28, docs/errors.md).
+
+``run_train.sh`` on the debug config, 2 CPU ranks, 2 steps, every rank's output shown: no line
+says "warn" (Python's ``UserWarning``/``FutureWarning``..., torch's ``[W...]`` C++ warnings, our
+logger's ``WARNING``). The detector is checked on a warning the user does cause (bf16 on CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WARNING_LINE = re.compile(r"warn|^\S*\[W\d{3,}|deprecat", re.IGNORECASE)
+
+
+def warning_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if WARNING_LINE.search(line)]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    return dict(env, NGPU="2", LOG_RANK="all", TORCHTITAN_PYTHON=sys.executable)
+
+
+def test_default_run_prints_no_warning(tmp_path: Path) -> None:
+    cmd = [
+        str(ROOT / "run_train.sh"),
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        "128",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "training done" in out
+    assert warning_lines(out) == [], out[-4000:]
+
+
+def test_the_detector_sees_a_warning_the_user_caused() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchtitan.config",
+            "--job.config_file",
+            str(ROOT / "train_configs" / "debug_model.toml"),
+            "--training.mixed_precision_param",
+            "bfloat16",
+        ],
+        cwd=ROOT,
+        env=dict(_env(), TORCHTITAN_DEVICE="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    found = warning_lines(proc.stdout + proc.stderr)
+    assert len(found) == 1 and "bf16 matmuls are far slower" in found[0], found
