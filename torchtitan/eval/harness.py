@@ -23,7 +23,7 @@ from torchtitan.eval.tasks import resolve_tasks, task_manager
 from torchtitan.metrics.writers import MetricWriter
 from torchtitan.tools.logging import logger
 
-__all__ = ["Evaluator", "run_tasks", "scores"]
+__all__ = ["Evaluator", "make_lm", "run_tasks", "scores"]
 
 
 def run_tasks(
@@ -55,8 +55,8 @@ def scores(results: dict[str, Any]) -> dict[str, float]:
     flat: dict[str, float] = {}
     for task, metrics in sorted(results.get("results", {}).items()):
         for key, value in metrics.items():
-            if "_stderr" in key or not isinstance(value, (int, float)) or key == "alias":
-                continue
+            if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
+                continue  # name, alias, sample_len, stderr
             metric, _, filt = key.partition(",")
             name = metric if filt in ("", "none") else f"{metric}_{filt}"
             flat[f"eval/{task}/{name}"] = float(value)
@@ -112,3 +112,29 @@ class Evaluator:
         for w in self.writers:
             w.log(dict(metrics), step)
         return metrics
+
+
+def make_lm(
+    model: nn.Module,
+    tokenizer: Any,
+    max_length: int,
+    device: Any,
+    cfg: Eval,
+    dp: tuple[Any, int, int] = (None, 0, 1),
+) -> Any:
+    """The lm-eval ``LM`` over ``model`` (imports lm-eval). ``dp``: the (group, rank, size)
+    requests are split over; the default evaluates every request on every rank."""
+    from torchtitan.eval.lm import TorchTitanLM
+
+    group, rank, size = dp
+    return TorchTitanLM(
+        model,
+        tokenizer,
+        max_length,
+        device,
+        batch_size=cfg.batch_size,
+        max_gen_toks=cfg.max_gen_tokens,
+        dp_group=group,
+        dp_rank=rank,
+        dp_size=size,
+    )
