@@ -12,6 +12,7 @@ lm-eval is imported only here and in ``eval/lm.py``, when an evaluation is built
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -32,19 +33,29 @@ def run_tasks(
     """lm-eval's result dict for ``specs`` (from :func:`resolve_tasks`) on ``lm``."""
     from lm_eval import evaluator
 
-    out = evaluator.simple_evaluate(
-        model=lm,
-        tasks=specs,
-        num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,
-        limit=None if cfg.limit < 0 else cfg.limit,
-        task_manager=task_manager(cfg.include_path),
-        log_samples=log_samples,
-        bootstrap_iters=0,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
+    # Every rank is one whole lm-eval process (the LM splits requests itself), but lm-eval
+    # returns results only where LOCAL_RANK is 0: show it that on every rank, for this call.
+    local_rank = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        out = evaluator.simple_evaluate(
+            model=lm,
+            tasks=specs,
+            num_fewshot=None if cfg.num_fewshot < 0 else cfg.num_fewshot,
+            limit=None if cfg.limit < 0 else cfg.limit,
+            task_manager=task_manager(cfg.include_path),
+            log_samples=log_samples,
+            bootstrap_iters=0,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    finally:
+        if local_rank is None:
+            del os.environ["LOCAL_RANK"]
+        else:
+            os.environ["LOCAL_RANK"] = local_rank
     assert out is not None
     return dict(out)
 

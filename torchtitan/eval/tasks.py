@@ -171,7 +171,7 @@ def resolve_tasks(tasks: list[str], include_path: list[str]) -> list[str | dict[
                 "eval.tasks",
                 name,
                 "is no task, group or tag of lm-eval's stock tasks or of the YAMLs under "
-                f"eval.include_path {[str(r) for r in roots]}",
+                f"eval.include_path {include_path}",
                 "fix the name (`lm_eval ls tasks` lists the stock ones) or add the task's YAML "
                 "to an eval.include_path folder",
             )
