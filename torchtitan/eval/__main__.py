@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+from torchtitan.checkpoint import storage as io
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import help_text
@@ -50,6 +51,9 @@ def evaluate(cfg: JobConfig, log_samples: bool = False) -> Evaluator:
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     path = checkpoint_path(cfg)
     hf = (path / "config.json").is_file()
+    if not hf and not (path / ".metadata").is_file():  # a checkpoint root: its newest step
+        found = io.find_checkpoint(path, skip_exports=False)
+        path = found.path if found is not None else path
     family, args, sd = load_weights(path, hf, cfg.model.name, cfg.model.flavor)
     if not hf:  # the trainer's RoPE table covers training.seq_len
         args = dataclasses.replace(args, max_seq_len=cfg.training.seq_len)
