@@ -88,8 +88,8 @@ def evaluate(cfg: JobConfig, log_samples: bool = False) -> Evaluator:
         config_dict=dataclasses.asdict(cfg),
         run_name=cfg.job.description,
     )
-    found = re.search(r"step-(\d+)", str(path.resolve()))
-    step = int(found.group(1)) if found else 0
+    named = re.search(r"step-(\d+)", str(path.resolve()))
+    step = int(named.group(1)) if named else 0
     evaluator = Evaluator(lm, cfg.eval, writers, seed=cfg.debug.seed)
     logger.info(f"evaluating {path} ({family}, {'HF' if hf else 'DCP'}) on {cfg.eval.tasks}")
     evaluator.evaluate(step, log_samples=log_samples)
