@@ -31,22 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan.checkpoint import storage as io
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed.utils import device_type
+from torchtitan.eval.loading import load_weights as read_weights
 from torchtitan.models import MODELS
 from torchtitan.models.common.kv_cache import KVCache
-from torchtitan.models.gpt_oss.hf import args_from_hf_config as gpt_oss_args
-from torchtitan.models.llama3.hf import args_from_hf_config as llama3_args
-from torchtitan.models.qwen3.hf import args_from_hf_config as qwen3_args
-
-# Hugging Face ``model_type`` -> (our family, its config reader).
-_HF_FAMILIES = {
-    "llama": ("llama3", llama3_args),
-    "qwen3": ("qwen3", qwen3_args),
-    "qwen3_moe": ("qwen3", qwen3_args),
-    "gpt_oss": ("gpt_oss", gpt_oss_args),
-}
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,31 +44,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def load_weights(
     path: Path, hf: bool, flavor: str, model: str = "llama3"
 ) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Model args and the full (unsharded) native state dict of a checkpoint, in this process.
-    HF folders name their family in ``config.json`` (``model_type``); DCP ones need ``model``."""
-    if hf:
-        config, hf_sd = io.read_hf_folder(path)
-        model_type = config.get("model_type", "llama")
-        if model_type not in _HF_FAMILIES:
-            raise ValueError(
-                f"{path}: model_type {model_type!r} is not one of {list(_HF_FAMILIES)}"
-            )
-        family, read_args = _HF_FAMILIES[model_type]
-        args = read_args(config)
-        adapter = MODELS[family].state_dict_adapter(args)
-        assert adapter is not None
-        return args, adapter.from_hf(hf_sd)
-    if not (path / ".metadata").is_file():  # the checkpoint root: take the newest valid step
-        found = io.find_checkpoint(path, skip_exports=False)  # the final export is the model
-        if found is None:
-            raise FileNotFoundError(f"no valid step-N checkpoint under {path}")
-        path = found.path
-    with warnings.catch_warnings():  # DCP notes that it reads without a process group
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        sd = io.read_model_weights(path)
-    args = dataclasses.replace(
-        MODELS[model].flavors[flavor], vocab_size=sd["tok_embeddings.weight"].shape[0]
-    )
+    """(model args, full native state dict) of a step-N folder, a checkpoint root (its newest
+    valid step) or a Hugging Face folder (the family from its config.json): eval/loading.py's
+    reader."""
+    _, args, sd = read_weights(path, hf, model, flavor)
     return args, sd
 
 
@@ -231,10 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = build_tokenizer(a.tokenizer)
     if not a.hf and a.flavor not in MODELS[a.model].flavors:
         p.error(f"--flavor {a.flavor} is not one of {sorted(MODELS[a.model].flavors)}")
-    args, sd = load_weights(a.checkpoint, a.hf, a.flavor, a.model)
-    if a.hf:  # the family comes from config.json
-        config = json.loads((a.checkpoint / "config.json").read_text())
-        a.model = _HF_FAMILIES[config.get("model_type", "llama")][0]
+    # From an HF folder the family comes from its config.json.
+    a.model, args, sd = read_weights(a.checkpoint, a.hf, a.model, a.flavor)
     if tokenizer.vocab_size > args.vocab_size:
         p.error(
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {args.vocab_size}"

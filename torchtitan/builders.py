@@ -25,6 +25,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import split_model
 from torchtitan.distributed.pipeline_plan import PipelinePlan
+from torchtitan.eval.harness import Evaluator, make_lm
 from torchtitan.eval.validation_loss import Validator
 from torchtitan.loss.cross_entropy import cross_entropy_sum
 from torchtitan.metrics.processor import MetricsProcessor
@@ -292,3 +293,16 @@ def build_validator(
         loss_mesh=dims.get_mesh("dp_cp"),
         pp_mesh=dims.get_mesh("pp") if dims.pp_enabled else None,
     )
+
+
+def build_evaluator(
+    cfg: JobConfig,
+    tokenizer: AnyTokenizer,
+    model_parts: list[nn.Module],
+    device: torch.device,
+    writers: list[MetricWriter],
+) -> Evaluator:
+    """lm-eval tasks on the model being trained, every ``eval.freq`` steps (docs/evaluation.md).
+    Every rank evaluates every request: under FSDP the ranks' forwards must pair up."""
+    lm = make_lm(model_parts[0], tokenizer, cfg.training.seq_len, device, cfg.eval)
+    return Evaluator(lm, cfg.eval, writers, model_parts=model_parts, seed=cfg.debug.seed)

@@ -18,6 +18,7 @@ from torch import nn
 
 from torchtitan.builders import (
     build_checkpointer,
+    build_evaluator,
     build_loss_fn,
     build_meta_model,
     build_metrics,
@@ -271,6 +272,11 @@ class Trainer:
             if cfg.validation.enable
             else None
         )
+        self.evaluator = (  # lm-eval tasks every eval.freq steps (docs/evaluation.md)
+            build_evaluator(cfg, self.tokenizer, self.model_parts, self.device, writers)
+            if cfg.eval.freq > 0
+            else None
+        )
         self.profiling = build_profiling(cfg, self.rank, self.device)
         self._build_fault_tolerance()
 
@@ -367,6 +373,11 @@ class Trainer:
                 self._phase("validation")
                 start = time.perf_counter()
                 self.validator.validate(self.step)
+                self.metrics.exclude_time(time.perf_counter() - start)
+            if self.evaluator is not None and self.evaluator.should_evaluate(self.step):
+                self._phase("evaluation (lm-eval tasks)")
+                start = time.perf_counter()
+                self.evaluator.evaluate(self.step)
                 self.metrics.exclude_time(time.perf_counter() - start)
             self.profiling.step(self.step)
             if self.checkpointer is not None:

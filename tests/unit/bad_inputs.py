@@ -338,6 +338,14 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "does not exist",
     ),
     (
+        "eval-unknown-task",
+        ["--eval.freq", "10", "--eval.tasks", "no_such_task"],
+        1,
+        "eval.tasks",
+        "is no task, group or tag",
+    ),
+    ("eval-freq-negative", ["--eval.freq", "-5"], 1, "eval.freq", "must be >= 0"),
+    (
         "load-step-999",
         ["--job.dump_folder", "{d}/run", "--checkpoint.enable", "--checkpoint.load_step", "999"],
         1,

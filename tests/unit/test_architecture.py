@@ -30,7 +30,7 @@ ALLOWED = {
     "guards": BASE,
     "data": BASE | {"loss"},
     "checkpoint": BASE | {"guards"},
-    "eval": BASE | {"data", "metrics", "loss"},
+    "eval": BASE | {"data", "metrics", "loss", "models", "checkpoint"},
     "preflight": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval"},
     "plan": BASE

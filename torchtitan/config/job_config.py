@@ -16,6 +16,7 @@ from torchtitan.config.sections import (
     Comm,
     Compile,
     Debug,
+    Eval,
     FaultTolerance,
     Metrics,
     Profiling,
@@ -308,6 +309,7 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     validation: Validation = field(default_factory=Validation)
+    eval: Eval = field(default_factory=Eval)
     debug: Debug = field(default_factory=Debug)
     sft: Sft = field(default_factory=Sft)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

@@ -236,3 +236,30 @@ class FaultTolerance:
 
     straggler_log_steps: int = 3
     """Consecutive log steps a rank must be slow before it is flagged as a straggler."""
+
+
+@dataclass
+class Eval:
+    tasks: list[str] = field(default_factory=list)
+    """lm-evaluation-harness tasks (stock names, or local ones under include_path) run by python -m torchtitan.eval, and in training every freq steps (docs/evaluation.md)."""
+
+    include_path: list[str] = field(default_factory=lambda: ["tests/assets/eval"])
+    """Folders of local task YAMLs; a relative data_files entry in one is read from its YAML's folder."""
+
+    freq: int = 0
+    """In training, evaluate every this many steps (0: never); the time is reported and kept out of tokens/s."""
+
+    limit: int = -1
+    """Documents per task (the first ones); -1 evaluates all."""
+
+    num_fewshot: int = -1
+    """Few-shot examples per prompt; -1 keeps each task's own setting."""
+
+    batch_size: int = 8
+    """Requests per forward on each data-parallel rank."""
+
+    max_gen_tokens: int = 256
+    """Most tokens one generation request produces, unless its task sets max_gen_toks."""
+
+    checkpoint: str = ""
+    """python -m torchtitan.eval: a step-N folder or checkpoint root (DCP), or a Hugging Face folder (holding config.json); empty takes the newest under job.dump_folder/checkpoint.folder."""

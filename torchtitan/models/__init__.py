@@ -3,6 +3,9 @@ docs/extending.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from torchtitan.models.gpt_oss import gpt_oss_spec
 from torchtitan.models.llama3 import llama3_spec
 from torchtitan.models.qwen3 import qwen3_spec
@@ -14,4 +17,18 @@ MODELS: dict[str, ModelSpec] = {
     "gpt_oss": gpt_oss_spec,
 }
 
-__all__ = ["MODELS", "ModelSpec", "runtime_args"]
+
+def family_for_hf_config(config: Mapping[str, Any]) -> tuple[str, Any]:
+    """(our family name, its args) for a transformers ``config.json``, by its ``model_type``
+    (each family declares the ones it reads: ``FamilySpec.hf_model_types``)."""
+    model_type = config.get("model_type", "llama")  # old Llama configs may lack it
+    known: list[str] = []
+    for name, spec in MODELS.items():
+        types = getattr(spec, "hf_model_types", ())
+        known += types
+        if model_type in types:
+            return name, spec.hf.config.args_from_hf(config)  # type: ignore[attr-defined]
+    raise ValueError(f"config.json: model_type {model_type!r} is not one of {known}")
+
+
+__all__ = ["MODELS", "ModelSpec", "family_for_hf_config", "runtime_args"]

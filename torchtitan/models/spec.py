@@ -106,6 +106,8 @@ class FamilySpec:
     model: Callable[[Any], nn.Module]
     plan: Callable[[Any], ModelParallelPlan]
     hf: HFMapping | None = None
+    hf_model_types: tuple[str, ...] = ()
+    """The ``model_type`` values of the transformers ``config.json`` files this family reads."""
 
     def build(self, args: Any) -> nn.Module:
         return self.model(args)

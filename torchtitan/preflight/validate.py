@@ -22,6 +22,7 @@ from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS
 from torchtitan.preflight.validate_chat import validate_chat
 from torchtitan.preflight.validate_data import validate_data
+from torchtitan.preflight.validate_eval import validate_eval
 from torchtitan.preflight.validate_features import (
     validate_attention,
     validate_checkpoint,
@@ -122,6 +123,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_memory_levers(cfg, world_size)
     validate_optimizer(cfg)  # parameter groups and Muon (docs/optimizers.md)
     validate_paths(cfg)  # dump folder, tokenizer, data files, checkpoint step (touch the disk)
+    validate_eval(cfg)  # [eval]: tasks known, local files present, offline-readable
 
     if cfg.training.mixed_precision_param == "bfloat16" and device_type() != "cuda":
         logger.warning(

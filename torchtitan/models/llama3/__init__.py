@@ -9,6 +9,13 @@ from torchtitan.models.llama3.model import Transformer
 from torchtitan.models.llama3.parallel_plan import llama3_parallel_plan
 from torchtitan.models.spec import FamilySpec
 
-llama3_spec = FamilySpec("llama3", LLAMA3_FLAVORS, Transformer, llama3_parallel_plan, LLAMA3_HF)
+llama3_spec = FamilySpec(
+    "llama3",
+    LLAMA3_FLAVORS,
+    Transformer,
+    llama3_parallel_plan,
+    LLAMA3_HF,
+    hf_model_types=("llama",),
+)
 
 __all__ = ["LLAMA3_FLAVORS", "ModelArgs", "Transformer", "llama3_spec"]

@@ -1,0 +1,144 @@
+"""Write the two offline lm-eval tasks shipped in ``tests/assets/eval`` (docs/evaluation.md).
+
+Both ask about the facts of the test corpus's fictional world (``scripts/make_test_dataset.py``:
+what each animal says, how many legs it has, halves and small sums in words), in the corpus's
+own sentence shapes, so a debug model trained on ``test_corpus`` can beat chance:
+
+* ``torchtitan_facts_mc``: multiple choice, one right answer among four (chance 25%), scored
+  by log-likelihood (``acc``, ``acc_norm``);
+* ``torchtitan_facts_gen``: the same questions answered by greedy generation up to the first
+  ``.`` or newline, scored by exact match (chance about 0).
+
+Each task has a ``test`` split and a small disjoint ``train`` split for few-shot examples. Data
+files sit beside the YAMLs and are named relative to them (torchtitan resolves them; see
+docs/evaluation.md). Deterministic for a given ``--seed``::
+
+    python scripts/make_eval_tasks.py                     # writes tests/assets/eval
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from make_test_dataset import LEGS, PETS, cap, words
+
+MC_YAML = """\
+# Written by scripts/make_eval_tasks.py; docs/evaluation.md.
+task: torchtitan_facts_mc
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files:
+    train: facts_train.jsonl
+    test: facts_test.jsonl
+output_type: multiple_choice
+training_split: train
+test_split: test
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: "{{label}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+GEN_YAML = """\
+# Written by scripts/make_eval_tasks.py; docs/evaluation.md.
+task: torchtitan_facts_gen
+dataset_path: json
+dataset_name: null
+dataset_kwargs:
+  data_files:
+    train: facts_train.jsonl
+    test: facts_test.jsonl
+output_type: generate_until
+training_split: train
+test_split: test
+doc_to_text: "{{question}}"
+doc_to_target: "{{answer}}"
+generation_kwargs:
+  until: [".", "\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+    ignore_case: true
+    regexes_to_ignore: ["^\\\\s+"]
+metadata:
+  version: 1.0
+"""
+
+
+def questions() -> list[tuple[str, str, list[str]]]:
+    """Every (question, answer, pool of wrong answers of the same kind)."""
+    sounds = sorted(set(PETS.values()))
+    legs = sorted({f"{words(n)} legs" if n else "no legs" for n in LEGS.values()})
+    out = [(f"The {a} says", s, [x for x in sounds if x != s]) for a, s in sorted(PETS.items())]
+    for animal, n in sorted(LEGS.items()):
+        answer = f"{words(n)} legs" if n else "no legs"
+        out.append((f"A {animal} has", answer, [x for x in legs if x != answer]))
+        if n:  # "Two spiders have sixteen legs."
+            pair = f"{words(2 * n)} legs"
+            pool = sorted({f"{words(2 * m)} legs" for m in LEGS.values() if m and m != n})
+            out.append((f"Two {animal}s have", pair, pool))
+    small = [words(n) for n in range(20)]
+    for a in range(1, 10):
+        out.append((f"Half of {words(2 * a)} is", words(a), [x for x in small if x != words(a)]))
+    for a, b in [(2, 3), (4, 5), (1, 6), (3, 3), (5, 2), (6, 7), (8, 1), (4, 4), (9, 2), (7, 5)]:
+        total = words(a + b)
+        q = f"{cap(words(a))} plus {words(b)} is"
+        out.append((q, total, [x for x in small if x != total]))
+    return out
+
+
+def make_docs(seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    docs = []
+    for question, answer, wrong in questions():
+        choices = [answer, *rng.sample(wrong, 3)]
+        rng.shuffle(choices)
+        docs.append(
+            {
+                "question": question,
+                "answer": answer,
+                "choices": choices,
+                "label": choices.index(answer),
+            }
+        )
+    rng.shuffle(docs)
+    return docs
+
+
+def write(out: Path, seed: int, n_train: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    docs = make_docs(seed)
+    for name, part in (("train", docs[:n_train]), ("test", docs[n_train:])):
+        with (out / f"facts_{name}.jsonl").open("w") as f:
+            f.writelines(json.dumps(d) + "\n" for d in part)
+    (out / "torchtitan_facts_mc.yaml").write_text(MC_YAML)
+    (out / "torchtitan_facts_gen.yaml").write_text(GEN_YAML)
+    print(f"{out}: {len(docs) - n_train} test and {n_train} train questions, 2 tasks")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out-dir", type=Path, default=Path("tests/assets/eval"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-train", type=int, default=6, help="questions kept for few-shot examples")
+    a = p.parse_args(argv)
+    write(a.out_dir, a.seed, a.n_train)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""A checkpoint as an evaluation model: weights from a DCP step folder or a Hugging Face folder,
+built for any family of ``MODELS`` and split with the trainer's parallelize path (docs/evaluation.md).
+
+- DCP: a ``step-N`` folder written by the trainer, or the checkpoint root (the newest valid step
+  is used, a final ``export`` included); the shape comes from ``model.name``/``model.flavor``,
+  the vocabulary size from the weights.
+- Hugging Face: ``config.json`` + ``*.safetensors``; the family comes from ``model_type``, the
+  names are converted by the family's ``state_dict_adapter(args).from_hf``.
+
+Every rank reads the full weights on the host and keeps its tensor-parallel shards. The model is
+parallelized by ``distributed.parallelize`` with the tensor-parallel degree only (data-parallel
+ranks hold whole replicas and evaluate different requests; no FSDP or DDP wrapper), logits
+gathered on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchtitan.checkpoint import storage as io
+from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.distributed.parallelize import parallelize
+from torchtitan.models import MODELS, family_for_hf_config
+
+__all__ = ["build_eval_model", "load_weights"]
+
+
+def load_weights(
+    path: Path, hf: bool, model: str, flavor: str
+) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    """(family, model args, full native state dict) of a checkpoint, read in this process."""
+    if hf:
+        config, hf_sd = io.read_hf_folder(path)
+        try:
+            family, args = family_for_hf_config(config)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+        adapter = MODELS[family].state_dict_adapter(args)
+        assert adapter is not None
+        return family, args, adapter.from_hf(hf_sd)
+    if not (path / ".metadata").is_file():  # the checkpoint root: the newest valid step
+        found = io.find_checkpoint(path, skip_exports=False)
+        if found is None:
+            raise FileNotFoundError(f"no valid step-N checkpoint under {path}")
+        path = found.path
+    with warnings.catch_warnings():  # DCP notes that it reads without a process group
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        sd = io.read_model_weights(path)
+    args = dataclasses.replace(
+        MODELS[model].flavors[flavor], vocab_size=sd["tok_embeddings.weight"].shape[0]
+    )
+    return model, args, sd
+
+
+def _tp_only(dims: ParallelDims) -> ParallelDims:
+    """``dims`` seen by ``parallelize`` with only its tensor-parallel axis: the same world mesh,
+    no data-parallel wrapper (replicas evaluate different requests)."""
+    view = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=dims.tp, pp=1, world_size=dims.tp)
+    view._mesh = dims.world_mesh
+    return view
+
+
+def build_eval_model(
+    family: str,
+    args: Any,
+    sd: dict[str, torch.Tensor],
+    dims: ParallelDims,
+    cfg: JobConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> nn.Module:
+    """The model with ``sd`` loaded, in eval mode, split over ``dims``' tp axis."""
+    spec = MODELS[family]
+    with torch.device("meta"):
+        model = spec.build(args)
+    if dims.tp_enabled:
+        eval_cfg = copy.deepcopy(cfg)
+        eval_cfg.parallelism.disable_loss_parallel = True  # full logits on every rank
+        eval_cfg.training.loss_chunk_size = 0
+        eval_cfg.activation_checkpoint.mode = "none"
+        eval_cfg.compile.enable = False
+        parallelize(model, spec.parallel_plan(args), _tp_only(dims), eval_cfg, dtype, dtype)
+        model.to_empty(device=device)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        full: dict[str, Any] = dict(sd)  # every rank holds it all and keeps its shards
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
+    else:
+        model.to_empty(device=device)
+        model.load_state_dict(sd, strict=True)
+    model.init_buffers(device)  # type: ignore[operator]
+    with warnings.catch_warnings():
+        # nn.Module.to casts the complex RoPE table too; Transformer._apply recomputes it.
+        warnings.filterwarnings("ignore", message="Casting complex values to real")
+        model.to(dtype)
+    return model.eval()
