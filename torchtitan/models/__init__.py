@@ -3,10 +3,15 @@ docs/extending.md)."""
 
 from __future__ import annotations
 
+from torchtitan.models.deepseek_v3 import deepseek_v3_spec
 from torchtitan.models.llama3 import llama3_spec
 from torchtitan.models.qwen3 import qwen3_spec
 from torchtitan.models.spec import ModelSpec, runtime_args
 
-MODELS: dict[str, ModelSpec] = {"llama3": llama3_spec, "qwen3": qwen3_spec}
+MODELS: dict[str, ModelSpec] = {
+    "llama3": llama3_spec,
+    "qwen3": qwen3_spec,
+    "deepseek_v3": deepseek_v3_spec,
+}
 
 __all__ = ["MODELS", "ModelSpec", "runtime_args"]

@@ -1,4 +1,5 @@
-"""Rotary position embeddings shared by the decoder families (docs/extending.md): the table,
+"""Rotary position embeddings shared by the decoder families (docs/extending.md): the table
+(plain, Llama 3.1-scaled or YaRN-scaled),
 the rotation of query/key channel pairs, and the grouped-query repeat of key/value heads."""
 
 from __future__ import annotations
@@ -82,3 +83,66 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
         .expand(bs, seqlen, n_kv, n_rep, head_dim)
         .reshape(bs, seqlen, n_kv * n_rep, head_dim)
     )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1.0 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_freqs(
+    freqs: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    factor: float,
+    original_max_seq_len: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    truncate: bool = True,
+) -> torch.Tensor:
+    """YaRN ("NTK-by-parts") frequency scaling of the base RoPE frequencies ``freqs``.
+
+    A channel pair whose wavelength turns more than ``beta_fast`` times over the original
+    context keeps its frequency (extrapolation), one turning fewer than ``beta_slow`` times is
+    divided by ``factor`` (interpolation), and a linear ramp over the pair index blends the two
+    in between. ``truncate`` rounds the ramp's ends to whole pairs (DeepSeek-V3; GPT-OSS does
+    not)."""
+
+    def pair(rotations: float) -> float:  # the (fractional) pair index turning `rotations` times
+        return head_dim * math.log(original_max_seq_len / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta)
+        )
+
+    low, high = pair(beta_fast), pair(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    idx = torch.arange(head_dim // 2, dtype=torch.float32, device=freqs.device)
+    keep = 1 - ((idx - low) / (high - low)).clamp(0, 1)  # 1: extrapolate, 0: interpolate
+    return freqs / factor * (1 - keep) + freqs * keep
+
+
+def precompute_yarn_freqs_cis(
+    head_dim: int,
+    end: int,
+    theta: float,
+    factor: float,
+    original_max_seq_len: int,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    attention_factor: float = 1.0,
+    truncate: bool = True,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The RoPE table with YaRN scaling (:func:`yarn_freqs`): ``complex64 [end, head_dim // 2]``
+    of magnitude ``attention_factor`` (YaRN scales the rotated queries and keys by it; a family
+    whose scale is ``yarn_mscale`` ratios passes that, docs/deepseek_v3.md)."""
+    exponents = torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim
+    freqs = 1.0 / (theta**exponents)
+    freqs = yarn_freqs(
+        freqs, head_dim, theta, factor, original_max_seq_len, beta_fast, beta_slow, truncate
+    )
+    angles = torch.outer(torch.arange(end, device=device, dtype=torch.float32), freqs)
+    return torch.polar(torch.full_like(angles, attention_factor), angles)
