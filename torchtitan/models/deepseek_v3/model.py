@@ -170,15 +170,21 @@ class Transformer(Decoder):
         return _AttachAuxLoss.apply(logits, loss, self.aux_loss_scale)
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
-        """RoPE table on ``device``; the MoE bias and counters and the MTP sums to zero."""
+        """RoPE table on ``device``; the MoE counters and the MTP sums to zero. (The routing
+        bias is state, a checkpoint's or zero from :meth:`init_weights`.)"""
         super().init_buffers(device)
         self.mtp_since_log.zero_()
         for module in self.modules():
             if isinstance(module, MoE):
-                module.router.expert_bias.zero_()
                 module.tokens_per_expert.zero_()
                 module.load_since_log.zero_()
                 module.aux_since_log.zero_()
+
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
+        super().init_weights(seed, buffer_device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.router.expert_bias.zero_()
 
     def _rule(self, fqn: str) -> ParamInit:
         if not fqn.startswith("mtp."):
