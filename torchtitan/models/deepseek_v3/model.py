@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed.init_weights import ParamInit
 from torchtitan.models.common.attention import AttentionMask, build_attention_mask
@@ -27,7 +28,7 @@ from torchtitan.models.common.moe import MoE, _AttachAuxLoss
 from torchtitan.models.common.rope import precompute_freqs_cis, precompute_yarn_freqs_cis
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.deepseek_v3.mla import MLA
-from torchtitan.models.deepseek_v3.mtp import MTPModule, mtp_loss
+from torchtitan.models.deepseek_v3.mtp import MTPMetrics, MTPModule, mtp_loss
 
 
 class Block(nn.Module):
@@ -98,7 +99,7 @@ class Transformer(Decoder):
         """Gradient seed of the MTP loss: the main loss's per-forward factor (set with the
         MoE layers' by ``set_aux_loss_scale``)."""
         self.mtp_loss: torch.Tensor | None = None
-        """The last training forward's MTP loss (detached, weighted), None without MTP."""
+        """The last training forward's MTP loss (detached, unweighted mean over the depths)."""
         self.register_buffer("mtp_since_log", torch.zeros(2), persistent=False)  # sum, count
 
     def _compute_freqs_cis(self, device: torch.device | str | None) -> torch.Tensor:
@@ -159,15 +160,25 @@ class Transformer(Decoder):
                 "multi-token prediction needs the embedding on the last pipeline stage, which "
                 "is not built: set --model.mtp_depth 0 (docs/deepseek_v3.md)"
             )
-        loss = mtp_loss(
-            self.mtp, self.tok_embeddings, self.output, hidden, tokens, freqs_cis, mask,
+        loss, mean = mtp_loss(
+            self.mtp,
+            self.tok_embeddings,
+            self.output,
+            hidden,
+            tokens,
+            freqs_cis,
+            mask,
             self.args.mtp_loss_weight,
         )
-        self.mtp_loss = loss.detach()
+        self.mtp_loss = mean.detach()
         if self.training and not torch.compiler.is_compiling():
             with torch.no_grad():
                 self.mtp_since_log += torch.stack([self.mtp_loss, torch.ones_like(self.mtp_loss)])
         return _AttachAuxLoss.apply(logits, loss, self.aux_loss_scale)
+
+    def metrics_sources(self, mesh: DeviceMesh | None) -> list[MTPMetrics]:
+        """The trainer's extra metrics of this model part: the MTP loss, where it has MTP."""
+        return [MTPMetrics(self, mesh)] if self.mtp is not None else []
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """RoPE table on ``device``; the MoE counters and the MTP sums to zero. (The routing

@@ -19,8 +19,10 @@ split the main model's).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common.attention import AttentionMask
@@ -67,8 +69,9 @@ def mtp_loss(
     freqs_cis: torch.Tensor,
     mask: AttentionMask | None,
     weight: float,
-) -> torch.Tensor:
-    """``weight / D * sum_k CE_k`` over the ``D`` modules (see the module docstring)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight / D * sum_k CE_k, 1 / D * sum_k CE_k)`` over the ``D`` modules: the loss that
+    trains and the unweighted mean that is logged (see the module docstring)."""
     total = torch.zeros((), device=tokens.device)
     h = hidden
     for k, module in enumerate(modules.values(), start=1):
@@ -81,4 +84,26 @@ def mtp_loss(
         if isinstance(ce, DTensor):  # loss parallel: a replicated scalar
             ce = ce.to_local()
         total = total + ce / (targets != IGNORE).sum().clamp(min=1)
-    return total * (weight / len(modules))
+    mean = total / len(modules)
+    return mean * weight, mean
+
+
+class MTPMetrics:
+    """A metrics source (``MetricsProcessor.extra_fields``, like ``ExpertLoadMetrics``): the
+    mean MTP loss (unweighted, averaged over the depths) since the last log step, averaged over
+    the data-parallel ranks ``mesh``; ``mtp/loss`` in the metrics, next to the main loss."""
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh | None) -> None:
+        self.sums: torch.Tensor = model.get_buffer("mtp_since_log")  # [sum, count]
+        self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
+
+    @torch.no_grad()
+    def __call__(self) -> tuple[dict[str, float | int | None], str]:
+        packed = self.sums.clone()
+        self.sums.zero_()
+        if self.mesh is not None:
+            dist.all_reduce(packed, group=self.mesh.get_group())
+        total, count = packed.tolist()
+        if count == 0:
+            return {}, ""
+        return {"mtp/loss": total / count}, f"  mtp {total / count:.4f}"
