@@ -167,3 +167,88 @@ def test_export_matches_transformers_logits(args: DeepSeekV3Args, tmp_path: Path
         diff = (model(_tokens()) - hf(_tokens()).logits).abs().max().item()
     print(f"ours -> transformers: max abs logit diff {diff:.2e}")
     assert diff <= 1e-5, diff
+
+
+def _reference_mtp(
+    model: Transformer, tokens: torch.Tensor, weight: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 tech report, section 2.2, written out on truncated sequences: module k at
+    position i projects [RMSNorm(Emb(t_{i+k})); RMSNorm(h_i^{k-1})], runs its block, and the shared
+    head predicts t_{i+k+1}; loss = weight / D * sum_k CE_k. Returns (main logits, MTP loss)."""
+    seq = tokens.shape[1]
+    h = model.tok_embeddings(tokens)
+    for layer in model.layers.values():
+        h = layer(h, model.freqs_cis[:seq])
+    assert model.mtp is not None and model.norm is not None and model.output is not None
+    main = model.output(model.norm(h))
+    losses = []
+    for k, module in enumerate(model.mtp.values(), start=1):
+        n = seq - k - 1  # positions whose target t_{i+k+1} is inside the sequence
+        emb = model.tok_embeddings(tokens[:, k : k + n])
+        x = module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h[:, :n])], dim=-1))
+        h = module.block(x, model.freqs_cis[:n])
+        logits = model.output(module.norm(h))
+        losses.append(F.cross_entropy(logits.flatten(0, 1), tokens[:, k + 1 : k + 1 + n].flatten()))
+    return main, weight / len(losses) * torch.stack(losses).sum()
+
+
+def test_mtp_matches_the_paper() -> None:
+    """Two MTP depths: the loss the model attaches equals the reference, and so does every
+    gradient of main loss + MTP loss."""
+    args = tiny_deepseek_v3(mtp_depth=2, mtp_loss_weight=0.3)
+    model = Transformer(args)
+    model.init_weights(seed=5)
+    ref_model = Transformer(args)
+    ref_model.load_state_dict(model.state_dict())
+    tokens = _tokens()
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    logits = model(inputs)
+    assert model.mtp_loss is not None
+    F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    ref_logits, ref_mtp = _reference_mtp(ref_model, inputs, 0.3)
+    (F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten()) + ref_mtp).backward()
+    print(f"MTP loss {0.3 * model.mtp_loss.item():.6f} vs reference {ref_mtp.item():.6f}")
+    assert abs(0.3 * model.mtp_loss.item() - ref_mtp.item()) <= 1e-5
+    ref_grads = dict(ref_model.named_parameters())
+    worst, name = max(
+        (((p.grad - ref_grads[n].grad).abs().max() / ref_grads[n].grad.abs().max()).item(), n)
+        for n, p in model.named_parameters()
+    )
+    assert worst <= 1e-4, (worst, name)
+    assert model.mtp["1"].eh_proj.weight.grad.abs().sum() > 0  # the second depth trains
+
+
+def test_mtp_weight_zero_leaves_the_main_model_alone() -> None:
+    """With weight 0 the main model's gradients equal a model without MTP."""
+    with_mtp = Transformer(tiny_deepseek_v3(mtp_depth=1, mtp_loss_weight=0.0))
+    with_mtp.init_weights(seed=2)
+    without = Transformer(tiny_deepseek_v3())
+    without.load_state_dict(
+        {k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")}
+    )
+    tokens = _tokens()
+    for model in (with_mtp, without):
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    grads = dict(without.named_parameters())
+    for name, p in with_mtp.named_parameters():
+        if not name.startswith("mtp."):
+            assert torch.equal(p.grad, grads[name].grad), name
+
+
+def test_mtp_hf_round_trip() -> None:
+    """The MTP module exports as HF layer n_layers (the release's layout, with copies of the
+    embedding and head) and comes back bit-identical."""
+    args = tiny_deepseek_v3(mtp_depth=1)
+    model = Transformer(args)
+    model.init_weights(seed=4)
+    adapter = DeepSeekV3Adapter(DEEPSEEK_V3_HF, args)
+    hf = adapter.to_hf(dict(model.state_dict()))
+    assert torch.equal(hf["model.layers.3.eh_proj.weight"], model.mtp["0"].eh_proj.weight)
+    assert "model.layers.3.shared_head.head.weight" in hf and "model.layers.3.mlp.gate.weight" in hf
+    back = adapter.from_hf(hf)
+    sd = model.state_dict()
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+    # A model built without MTP drops the release's MTP layer.
+    plain = DeepSeekV3Adapter(DEEPSEEK_V3_HF, tiny_deepseek_v3()).from_hf(hf)
+    assert not any(k.startswith("mtp.") for k in plain)
