@@ -7,8 +7,8 @@
 ``CKPT`` is a ``step-N`` folder written by the trainer (only its model weights are read), or the
 checkpoint root holding them (the newest valid one is used), or with ``--hf`` a Hugging Face
 folder (``config.json`` + ``*.safetensors``, read through the state-dict adapter of the family
-its ``model_type`` names: Llama 3, Qwen3, Qwen3-MoE). The model shape comes from ``--model``
-and ``--flavor`` (DCP; the vocabulary size from the weights) or from ``config.json`` (HF). Sampling: greedy (``--temperature 0``, the default), or softmax at a
+its ``model_type`` names: Llama 3, Qwen3, Qwen3-MoE, DeepSeek-V3). The model shape comes from
+``--model`` and ``--flavor`` (DCP; the vocabulary size from the weights) or from ``config.json`` (HF). Sampling: greedy (``--temperature 0``, the default), or softmax at a
 temperature, optionally restricted to the ``--top_k`` most likely tokens; ``--seed`` makes
 sampling reproducible. ``--no_kv_cache`` recomputes the whole prefix for every token (slow;
 it exists to check the cache). With ``--tp N`` (under torchrun, N ranks) the model is split
@@ -36,6 +36,7 @@ from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS
 from torchtitan.models.common.kv_cache import KVCache
+from torchtitan.models.deepseek_v3.hf import args_from_hf_config as deepseek_v3_args
 from torchtitan.models.llama3.hf import args_from_hf_config as llama3_args
 from torchtitan.models.qwen3.hf import args_from_hf_config as qwen3_args
 
@@ -44,6 +45,7 @@ _HF_FAMILIES = {
     "llama": ("llama3", llama3_args),
     "qwen3": ("qwen3", qwen3_args),
     "qwen3_moe": ("qwen3", qwen3_args),
+    "deepseek_v3": ("deepseek_v3", deepseek_v3_args),
 }
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -195,7 +195,7 @@ class DeepSeekV3Adapter(SharedAdapter):
                 out[f"model.layers.{layer}.{MTP_NAMES[name]}"] = w
         for k in range(self.args.mtp_depth):
             for hf, ours in MTP_SHARED_COPIES.items():
-                out[f"model.layers.{n + k}.{hf}"] = sd[ours]
+                out[f"model.layers.{n + k}.{hf}"] = sd[ours].clone()  # saved apart
         return out
 
     def from_hf(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
