@@ -27,11 +27,14 @@ NO_MTP = ["--model.mtp_depth", "0"]
 _REF: dict[str, list[dict]] = {}
 
 
-def _reference(mtp: bool, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    key = "mtp" if mtp else "no_mtp"
+def _reference(
+    mtp: bool, tmp_path_factory: pytest.TempPathFactory, no_bias: bool = False
+) -> list[dict]:
+    key = ("mtp" if mtp else "no_mtp") + ("_no_bias" if no_bias else "")
     if key not in _REF:
         dump = tmp_path_factory.mktemp(f"deepseek_ref_{key}")
         argv = [*MODEL, *([] if mtp else NO_MTP), "--training.local_batch_size", "8"]
+        argv += ["--model.moe_bias_update_rate", "0"] if no_bias else []
         _REF[key] = train_metrics(argv, 1, dump, STEPS)
         first, last = _REF[key][0]["loss"], _REF[key][-1]["loss"]
         assert last < first - 0.3, f"reference loss did not fall: {first:.3f} -> {last:.3f}"
@@ -45,8 +48,9 @@ def _compare(
     overrides: list[str],
     label: str,
     mtp: bool = True,
+    no_bias: bool = False,
 ) -> None:
-    ref = _reference(mtp, tmp_path_factory)
+    ref = _reference(mtp, tmp_path_factory, no_bias)
     argv = [*MODEL, *([] if mtp else NO_MTP), *overrides]
     got = train_metrics(argv, world, tmp_path, STEPS)
     assert_losses_match(losses(ref), losses(got), rtol=1e-5, label=label)
@@ -64,13 +68,14 @@ def test_fsdp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None
 
 
 @pytest.mark.slow
-def test_mtp_weight_zero_equals_no_mtp(
-    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
-) -> None:
-    ref = _reference(False, tmp_path_factory)
-    argv = [*MODEL, "--model.mtp_loss_weight", "0", "--training.local_batch_size", "8"]
-    got = train_metrics(argv, 1, tmp_path, STEPS)
+def test_mtp_weight_zero_equals_no_mtp(tmp_path: Path) -> None:
+    """Bit for bit with clipping off (``max_norm 0``): the global grad norm sums the MTP
+    modules' zero gradients too, which changes its rounding, and with it a clipped step's."""
+    argv = [*MODEL, "--training.local_batch_size", "8", "--training.max_norm", "0"]
+    ref = train_metrics([*argv, *NO_MTP], 1, tmp_path / "no_mtp", STEPS)
+    got = train_metrics([*argv, "--model.mtp_loss_weight", "0"], 1, tmp_path / "zero", STEPS)
     assert losses(got) == losses(ref), (losses(got), losses(ref))
+    assert all(m["mtp/loss"] > 0 for m in got)  # computed (and logged), not trained
 
 
 @pytest.mark.slow
@@ -81,7 +86,13 @@ def test_tp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """Without MTP (refused under PP). The routing bias is on in the reference; torch's
+    pipeline stage runs one metadata forward of its own before the first step, which the MoE
+    layers count as load, so the first bias update differs: the PP run would drift by ~1e-4
+    (Qwen3-MoE alike, docs/deepseek_v3.md). Both sides run with the bias off here."""
     overrides = [
+        "--model.moe_bias_update_rate",
+        "0",
         "--parallelism.pipeline_parallel_degree",
         "2",
         "--parallelism.pipeline_parallel_schedule",
@@ -89,7 +100,7 @@ def test_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
         "--training.local_batch_size",
         "8",
     ]
-    _compare(tmp_path_factory, tmp_path, 2, overrides, "PP 2", mtp=False)
+    _compare(tmp_path_factory, tmp_path, 2, overrides, "PP 2", mtp=False, no_bias=True)
 
 
 @pytest.mark.slow

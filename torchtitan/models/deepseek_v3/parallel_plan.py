@@ -26,11 +26,14 @@ with MTP is refused at the first forward (set ``--model.mtp_depth 0``).
 
 from __future__ import annotations
 
-from torch.distributed.tensor import Replicate, Shard
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -46,6 +49,24 @@ from torchtitan.models.common.decoder_plan import root_plan, swiglu_plan
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 
 
+class GatherSharedInput(ParallelStyle):
+    """All-gather the sequence of a module's input (a ``Shard(1)`` DTensor) into a plain tensor
+    that every head of every TP rank uses: its gradient is each rank's partial sum
+    (``Partial``), reduce-scattered back onto the sequence shard. (``PrepareModuleInput`` would
+    call it replicated and drop the other ranks' heads' share: MLA's rotated key.)"""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x = args[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+            full = x.redistribute(device_mesh, [Replicate()])
+            return (full.to_local(grad_placements=[Partial()]), *args[1:])
+
+        module.register_forward_pre_hook(gather)
+        return module
+
+
 def mla_plan() -> dict[str, ParallelStyle]:
     gathered = ColwiseParallel(input_layouts=Shard(1))  # all-gather the latent, split heads
     return {
@@ -57,9 +78,7 @@ def mla_plan() -> dict[str, ParallelStyle]:
         "attention.wkv_a": SequenceParallel(),
         "attention.kv_norm": SequenceParallel(),
         "attention.wkv_b": gathered,
-        "attention.rope_key": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        ),
+        "attention.rope_key": GatherSharedInput(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
 
