@@ -41,8 +41,8 @@ from torchtitan.guards.spikes import StepGuard
 from torchtitan.loss.chunked import build_chunked_loss
 from torchtitan.microbatch import MicrobatchRunner, ScaledLoss
 from torchtitan.models import MODELS, runtime_args
-from torchtitan.models.common.attention import resolve_attn_backend
 from torchtitan.models.common.args import mtp_overrides
+from torchtitan.models.common.attention import resolve_attn_backend
 from torchtitan.models.common.moe import moe_overrides, set_aux_loss_scale
 from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
 from torchtitan.optim.lr_scheduler import build_lr_scheduler

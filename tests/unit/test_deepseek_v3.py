@@ -69,11 +69,15 @@ def test_yarn_matches_transformers() -> None:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     for args in (V3, LITE):
-        config = transformers.DeepseekV3Config(**DeepSeekV3Adapter(DEEPSEEK_V3_HF, args).hf_config())
+        config = transformers.DeepseekV3Config(
+            **DeepSeekV3Adapter(DEEPSEEK_V3_HF, args).hf_config()
+        )
         inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
         table = Transformer(args).freqs_cis
         pos = torch.arange(args.max_seq_len, dtype=torch.float32)
-        ref = torch.polar(torch.full((1,), factor).expand(64, len(inv_freq)), torch.outer(pos, inv_freq))
+        ref = torch.polar(
+            torch.full((1,), factor).expand(64, len(inv_freq)), torch.outer(pos, inv_freq)
+        )
         assert (table - ref).abs().max() < 1e-5
         assert factor == pytest.approx(args.rope_attention_factor)
 
@@ -85,7 +89,9 @@ def _hf_model(args: DeepSeekV3Args, seed: int):
     hf = transformers.DeepseekV3ForCausalLM(config)
     with torch.no_grad():  # random everything, the routing bias included
         for name, p in hf.named_parameters():
-            p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+            p.copy_(
+                1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p)
+            )
         for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
@@ -108,10 +114,16 @@ def _import(hf, tmp_path: Path) -> tuple[DeepSeekV3Args, Transformer, dict[str, 
 
 
 @pytest.mark.parametrize("args", [V3, LITE], ids=["v3", "lite"])
-def test_import_matches_transformers_logits_loss_and_grads(args: DeepSeekV3Args, tmp_path: Path) -> None:
+def test_import_matches_transformers_logits_loss_and_grads(
+    args: DeepSeekV3Args, tmp_path: Path
+) -> None:
     hf = _hf_model(args, seed=1)
     got, ours, hf_sd = _import(hf, tmp_path)
-    assert (got.moe, got.q_lora_rank, got.rope_factor) == (args.moe, args.q_lora_rank, args.rope_factor)
+    assert (got.moe, got.q_lora_rank, got.rope_factor) == (
+        args.moe,
+        args.q_lora_rank,
+        args.rope_factor,
+    )
     tokens = _tokens()
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     ours.train()
@@ -123,7 +135,9 @@ def test_import_matches_transformers_logits_loss_and_grads(args: DeepSeekV3Args,
     ref_loss = F.cross_entropy(ref.flatten(0, 1), labels.flatten())
     loss.backward()
     ref_loss.backward()
-    print(f"transformers -> ours: max abs logit diff {diff:.2e}, loss {loss.item():.6f} vs {ref_loss.item():.6f}")
+    print(
+        f"transformers -> ours: max abs logit diff {diff:.2e}, loss {loss.item():.6f} vs {ref_loss.item():.6f}"
+    )
     assert diff <= 1e-5, diff
     assert abs(loss.item() - ref_loss.item()) <= 1e-5
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}

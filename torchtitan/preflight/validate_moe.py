@@ -67,13 +67,17 @@ def validate_mtp(cfg: JobConfig, dims: ParallelDims) -> None:
         value = getattr(cfg.model, name)
         if value != -1 and not has_mtp:
             raise ConfigError(
-                f"model.{name}", value, f"{cfg.model.name} has no multi-token prediction",
+                f"model.{name}",
+                value,
+                f"{cfg.model.name} has no multi-token prediction",
                 "remove it, or use --model.name deepseek_v3",
             )
     depth = cfg.model.mtp_depth if cfg.model.mtp_depth >= 0 else getattr(args, "mtp_depth", 0)
     for axis, degree in (("pipeline", dims.pp), ("context", dims.cp)):
         if depth > 0 and degree > 1:
             raise ConfigError(
-                "model.mtp_depth", depth, f"multi-token prediction under {axis} parallel is not built",
+                "model.mtp_depth",
+                depth,
+                f"multi-token prediction under {axis} parallel is not built",
                 "set --model.mtp_depth 0",
             )

@@ -11,8 +11,8 @@ feed-forward is not that SwiGLU, its size (``_ffn_params``, e.g. MoE).
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Mapping
 import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 

@@ -249,7 +249,7 @@ def set_aux_loss_scale(models: list[nn.Module], scale: float) -> None:
     for model in models:
         for module in model.modules():
             if hasattr(module, "aux_loss_scale"):
-                module.aux_loss_scale = scale
+                setattr(module, "aux_loss_scale", scale)  # noqa: B010 (any module type)
 
 
 @torch.no_grad()

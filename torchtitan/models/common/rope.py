@@ -109,8 +109,10 @@ def yarn_freqs(
     not)."""
 
     def pair(rotations: float) -> float:  # the (fractional) pair index turning `rotations` times
-        return head_dim * math.log(original_max_seq_len / (rotations * 2 * math.pi)) / (
-            2 * math.log(theta)
+        return (
+            head_dim
+            * math.log(original_max_seq_len / (rotations * 2 * math.pi))
+            / (2 * math.log(theta))
         )
 
     low, high = pair(beta_fast), pair(beta_slow)

@@ -55,7 +55,10 @@ MTP_NAMES = {
     "eh_proj.weight": "eh_proj.weight",
     "norm.weight": "shared_head.norm.weight",
 }
-MTP_SHARED_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+MTP_SHARED_COPIES = {
+    "embed_tokens.weight": "tok_embeddings.weight",
+    "shared_head.head.weight": "output.weight",
+}
 
 
 class _MoESection:
@@ -220,8 +223,8 @@ class DeepSeekV3Adapter(SharedAdapter):
             elif name not in MTP_SHARED_COPIES:  # those are our shared embedding and head
                 blocks[key] = w
         for key, w in super().from_hf(blocks).items():  # "layers.<n + k>.<name>"
-            _, layer, name = key.split(".", 2)
-            out[f"mtp.{int(layer) - n}.block.{name}"] = w
+            _, block_id, rest = key.split(".", 2)
+            out[f"mtp.{int(block_id) - n}.block.{rest}"] = w
         return out
 
 

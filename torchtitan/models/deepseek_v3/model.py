@@ -87,13 +87,17 @@ class Transformer(Decoder):
 
     args: DeepSeekV3Args
     block_init = BLOCK_INIT_V3
+    mtp_since_log: torch.Tensor
 
     def __init__(self, args: DeepSeekV3Args) -> None:
         super().__init__(args, [Block(i, args) for i in range(args.n_layers)])
         self.mtp: nn.ModuleDict | None = None
         if args.mtp_depth > 0:
             self.mtp = nn.ModuleDict(
-                {str(k): MTPModule(args, Block(args.n_layers + k, args)) for k in range(args.mtp_depth)}
+                {
+                    str(k): MTPModule(args, Block(args.n_layers + k, args))
+                    for k in range(args.mtp_depth)
+                }
             )
         self.aux_loss_scale = 1.0
         """Gradient seed of the MTP loss: the main loss's per-forward factor (set with the

@@ -75,6 +75,7 @@ def mtp_loss(
     total = torch.zeros((), device=tokens.device)
     h = hidden
     for k, module in enumerate(modules.values(), start=1):
+        assert isinstance(module, MTPModule)
         h = module(h, embedding(shifted(tokens, k, 0)), freqs_cis, mask)
         logits = output(module.norm(h))
         targets = shifted(tokens, k + 1, IGNORE)
