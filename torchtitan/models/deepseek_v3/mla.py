@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.common.attention import AttentionCore, AttentionMask
@@ -92,6 +93,12 @@ class MLA(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
+        v_dim = v.shape[-1]
+        if type(self.core) is not AttentionCore and v_dim < k.shape[-1]:
+            # A swapped core (context parallel's all-gather) gathers K and V as one stacked
+            # tensor: values padded with zero channels to the key width, cut off after.
+            v = F.pad(v, (0, k.shape[-1] - v_dim))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = self.core(q, k, v, mask) if cache is None else cache.attend(q, k, v)
+        out = out[..., :v_dim]
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))

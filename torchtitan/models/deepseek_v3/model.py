@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -81,6 +82,16 @@ BLOCK_INIT_V3: Mapping[str, str] = {
 """The shared block init table, MLA's projections and norms, the MoE layer under ``moe``."""
 
 
+def _mtp_block_args(a: DeepSeekV3Args) -> DeepSeekV3Args:
+    """The MTP blocks' args: their MoE balancing loss is part of the MTP objective, weighted by
+    ``mtp_loss_weight / mtp_depth`` like the MTP cross-entropies (weight 0: the main model
+    trains exactly as without MTP)."""
+    if a.moe is None:
+        return a
+    coef = a.moe.aux_loss_coef * a.mtp_loss_weight / a.mtp_depth
+    return replace(a, moe=replace(a.moe, aux_loss_coef=coef))
+
+
 class Transformer(Decoder):
     """DeepSeek-V3 decoder: embedding, ``n_layers`` blocks, final RMSNorm, output projection,
     and ``mtp_depth`` MTP modules (any root may be ``None`` on a pipeline stage)."""
@@ -93,9 +104,10 @@ class Transformer(Decoder):
         super().__init__(args, [Block(i, args) for i in range(args.n_layers)])
         self.mtp: nn.ModuleDict | None = None
         if args.mtp_depth > 0:
+            mtp_args = _mtp_block_args(args)
             self.mtp = nn.ModuleDict(
                 {
-                    str(k): MTPModule(args, Block(args.n_layers + k, args))
+                    str(k): MTPModule(args, Block(args.n_layers + k, mtp_args))
                     for k in range(args.mtp_depth)
                 }
             )
