@@ -101,6 +101,11 @@ class DeepSeekV3Args(DecoderArgsBase):
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id >= self.n_dense_layers
 
+    @property
+    def n_moe_layers(self) -> int:
+        """MoE blocks of the main model (the estimator's count; the MTP blocks are extra)."""
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
     def _attention_params(self) -> int:
         d, h, qk = self.dim, self.n_heads, self.head_dim
         if self.q_lora_rank:
