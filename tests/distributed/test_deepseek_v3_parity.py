@@ -105,8 +105,12 @@ def test_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ep2_fsdp4(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """Routing bias off on both sides: with it, the sigmoid scores (all near 0.5 early on) plus
+    biases in steps of 0.001 come close to ties, and the expert all-to-all's other summation
+    order flips one around step 8 (4e-5 relative by step 10; bias off: 1e-7)."""
     overrides = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]
-    _compare(tmp_path_factory, tmp_path, 4, overrides, "EP 2 x FSDP 4")
+    overrides += ["--model.moe_bias_update_rate", "0"]
+    _compare(tmp_path_factory, tmp_path, 4, overrides, "EP 2 x FSDP 4", no_bias=True)
 
 
 @pytest.mark.slow
