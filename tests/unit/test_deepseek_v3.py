@@ -266,3 +266,20 @@ def test_mtp_hf_round_trip() -> None:
     # A model built without MTP drops the release's MTP layer.
     plain = DeepSeekV3Adapter(DEEPSEEK_V3_HF, tiny_deepseek_v3()).from_hf(hf)
     assert not any(k.startswith("mtp.") for k in plain)
+
+
+def test_estimates_count_mla_and_mtp(capsys: pytest.CaptureFixture[str]) -> None:
+    """FLOPs, parameters and the generation cache of the 671B flavor by hand, and the planner
+    finds a layout for the 16B config on 8 x 80 GiB."""
+    from torchtitan.plan.__main__ import main as plan_main
+
+    a = DEEPSEEK_V3_FLAVORS["671B"]
+    mtp = 3 * 7168 + 2 * 7168 * 7168 + a._layer_params(61, active=False)
+    assert a.num_params() - a.mtp_params() == a.num_params() - mtp
+    attention = 6 * 62 * 128 * (192 + 128) * 4096
+    head = 6 * 129280 * 7168
+    assert a.flops_per_token(4096) == 6 * a.num_params(True, True) + attention + head
+    assert a.kv_cache_bytes_per_token() == 61 * (512 + 64) * 2
+    cfg = ["--job.config_file", "train_configs/deepseek_v3_16b.toml"]
+    assert plan_main([*cfg, "--world_size", "8", "--device_memory_gib", "80", "--top", "1"]) == 0
+    assert "expert_parallel_degree" in capsys.readouterr().out
