@@ -1,10 +1,10 @@
-"""Rotary position embeddings shared by the decoder families (docs/extending.md): the table
-(plain, Llama 3.1-scaled or YaRN-scaled),
+"""Rotary position embeddings shared by the decoder families (docs/extending.md): the table,
 the rotation of query/key channel pairs, and the grouped-query repeat of key/value heads."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -50,9 +50,77 @@ def precompute_freqs_cis(
         freqs = _scale_rope_freqs(
             freqs, scaling_factor, low_freq_factor, high_freq_factor, original_max_seq_len
         )
-    positions = torch.arange(end, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, freqs)
-    return torch.polar(torch.ones_like(angles), angles)
+    return rope_table(freqs, end)
+
+
+def rope_table(freqs: torch.Tensor, end: int, magnitude: float = 1.0) -> torch.Tensor:
+    """``complex64 [end, len(freqs)]``: entry ``[p, i]`` is ``magnitude * exp(1j * p *
+    freqs[i])``."""
+    angles = torch.outer(torch.arange(end, device=freqs.device, dtype=torch.float32), freqs)
+    return torch.polar(torch.full_like(angles, magnitude), angles)
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN ("NTK-by-parts") context extension of RoPE (Peng et al. 2023, arXiv:2309.00071,
+    section 3.2; docs/gpt_oss.md), Hugging Face's ``rope_type: yarn`` fields.
+
+    Dimension pair ``i`` rotates ``L / wavelength_i`` times over the original context ``L``. Pairs
+    turning more than ``beta_fast`` times keep their frequency (extrapolation), pairs turning
+    fewer than ``beta_slow`` times are divided by ``factor`` (interpolation), and a linear ramp
+    over the pair index blends the two in between. The ramp's ends are the (fractional) pair
+    indices where the rotation counts equal ``beta_fast`` / ``beta_slow``, rounded outward when
+    ``truncate`` and clipped to ``[0, head_dim - 1]``. Cos and sin are scaled by
+    ``attention_factor`` (default ``0.1 * ln(factor) + 1``), so the attention logits by its
+    square.
+    """
+
+    factor: float
+    original_max_seq_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    @property
+    def magnitude(self) -> float:
+        """The factor on cos/sin."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+    def inv_freq(
+        self, head_dim: int, theta: float, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """The scaled inverse frequencies, ``float32 [head_dim // 2]``."""
+        half = head_dim // 2
+        base = theta ** (torch.arange(0, head_dim, 2, device=device)[:half].float() / head_dim)
+
+        def pair_index(rotations: float) -> float:  # the i with L / wavelength_i == rotations
+            turns = self.original_max_seq_len / (rotations * 2 * math.pi)
+            return head_dim * math.log(turns) / (2 * math.log(theta))
+
+        low, high = pair_index(self.beta_fast), pair_index(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # a ramp of zero width would divide by zero
+        index = torch.arange(half, device=device, dtype=torch.float32)
+        keep = 1 - ((index - low) / (high - low)).clamp(0, 1)  # 1: extrapolate, 0: interpolate
+        return (1.0 / (self.factor * base)) * (1 - keep) + (1.0 / base) * keep
+
+
+def precompute_yarn_freqs_cis(
+    head_dim: int,
+    end: int,
+    theta: float,
+    yarn: YarnScaling,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The RoPE table with YaRN frequencies and magnitude (:class:`YarnScaling`):
+    ``complex64 [end, head_dim // 2]``, used like :func:`precompute_freqs_cis`'s."""
+    return rope_table(yarn.inv_freq(head_dim, theta, device), end, yarn.magnitude)
 
 
 def apply_rotary_emb(
@@ -83,68 +151,3 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
         .expand(bs, seqlen, n_kv, n_rep, head_dim)
         .reshape(bs, seqlen, n_kv * n_rep, head_dim)
     )
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1.0 when not stretched)."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-def yarn_freqs(
-    freqs: torch.Tensor,
-    head_dim: int,
-    theta: float,
-    factor: float,
-    original_max_seq_len: int,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
-    truncate: bool = True,
-) -> torch.Tensor:
-    """YaRN ("NTK-by-parts") frequency scaling of the base RoPE frequencies ``freqs``.
-
-    A channel pair whose wavelength turns more than ``beta_fast`` times over the original
-    context keeps its frequency (extrapolation), one turning fewer than ``beta_slow`` times is
-    divided by ``factor`` (interpolation), and a linear ramp over the pair index blends the two
-    in between. ``truncate`` rounds the ramp's ends to whole pairs (DeepSeek-V3; GPT-OSS does
-    not)."""
-
-    def pair(rotations: float) -> float:  # the (fractional) pair index turning `rotations` times
-        return (
-            head_dim
-            * math.log(original_max_seq_len / (rotations * 2 * math.pi))
-            / (2 * math.log(theta))
-        )
-
-    low, high = pair(beta_fast), pair(beta_slow)
-    if truncate:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001
-    idx = torch.arange(head_dim // 2, dtype=torch.float32, device=freqs.device)
-    keep = 1 - ((idx - low) / (high - low)).clamp(0, 1)  # 1: extrapolate, 0: interpolate
-    return freqs / factor * (1 - keep) + freqs * keep
-
-
-def precompute_yarn_freqs_cis(
-    head_dim: int,
-    end: int,
-    theta: float,
-    factor: float,
-    original_max_seq_len: int,
-    beta_fast: float = 32.0,
-    beta_slow: float = 1.0,
-    attention_factor: float = 1.0,
-    truncate: bool = True,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """The RoPE table with YaRN scaling (:func:`yarn_freqs`): ``complex64 [end, head_dim // 2]``
-    of magnitude ``attention_factor`` (YaRN scales the rotated queries and keys by it; a family
-    whose scale is ``yarn_mscale`` ratios passes that, docs/deepseek_v3.md)."""
-    exponents = torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim
-    freqs = 1.0 / (theta**exponents)
-    freqs = yarn_freqs(
-        freqs, head_dim, theta, factor, original_max_seq_len, beta_fast, beta_slow, truncate
-    )
-    angles = torch.outer(torch.arange(end, device=device, dtype=torch.float32), freqs)
-    return torch.polar(torch.full_like(angles, attention_factor), angles)

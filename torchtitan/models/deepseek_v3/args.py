@@ -16,11 +16,17 @@ differs from a Llama-style decoder in four places:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torchtitan.models.common.args import DecoderArgsBase
 from torchtitan.models.common.moe import MoEArgs
-from torchtitan.models.common.rope import yarn_mscale
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction ``0.1 * mscale * ln(factor) + 1`` (1.0 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
 
 LATENT_NORM_EPS = 1e-6
 """Epsilon of the query/key-value latent RMSNorms (fixed in the published models)."""

@@ -26,7 +26,11 @@ from torchtitan.models.common.attention import AttentionMask, build_attention_ma
 from torchtitan.models.common.decoder import BLOCK_INIT, Decoder, FeedForward
 from torchtitan.models.common.kv_cache import KVCache, LayerKVCache
 from torchtitan.models.common.moe import MoE, _AttachAuxLoss
-from torchtitan.models.common.rope import precompute_freqs_cis, precompute_yarn_freqs_cis
+from torchtitan.models.common.rope import (
+    YarnScaling,
+    precompute_freqs_cis,
+    precompute_yarn_freqs_cis,
+)
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.deepseek_v3.mla import MLA
 from torchtitan.models.deepseek_v3.mtp import MTPMetrics, MTPModule, mtp_loss
@@ -124,16 +128,15 @@ class Transformer(Decoder):
             return precompute_freqs_cis(
                 a.qk_rope_head_dim, a.max_seq_len, theta=a.rope_theta, device=device
             )
-        return precompute_yarn_freqs_cis(
-            a.qk_rope_head_dim,
-            a.max_seq_len,
-            theta=a.rope_theta,
+        yarn = YarnScaling(
             factor=a.rope_factor,
             original_max_seq_len=a.rope_original_max_seq_len,
             beta_fast=a.rope_beta_fast,
             beta_slow=a.rope_beta_slow,
             attention_factor=a.rope_attention_factor,
-            device=device,
+        )
+        return precompute_yarn_freqs_cis(
+            a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, yarn, device=device
         )
 
     def enable_context_parallel(self, mesh: object) -> None:
