@@ -7,7 +7,7 @@
 ``CKPT`` is a ``step-N`` folder written by the trainer (only its model weights are read), or the
 checkpoint root holding them (the newest valid one is used), or with ``--hf`` a Hugging Face
 folder (``config.json`` + ``*.safetensors``, read through the state-dict adapter of the family
-its ``model_type`` names: Llama 3, Qwen3, Qwen3-MoE, GPT-OSS). The model shape comes from
+its ``model_type`` names: Llama 3, Qwen3, Qwen3-MoE, GPT-OSS, DeepSeek-V3). The model shape comes from
 ``--model`` and ``--flavor`` (DCP; the vocabulary size from the weights) or from ``config.json`` (HF). Sampling: greedy (``--temperature 0``, the default), or softmax at a
 temperature, optionally restricted to the ``--top_k`` most likely tokens; ``--seed`` makes
 sampling reproducible. ``--no_kv_cache`` recomputes the whole prefix for every token (slow;

@@ -8,6 +8,7 @@ from typing import Any
 
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.rope import YarnScaling
+from torchtitan.models.deepseek_v3 import DeepSeekV3Args
 from torchtitan.models.gpt_oss import GptOssArgs
 from torchtitan.models.llama3 import ModelArgs
 from torchtitan.models.qwen3 import Qwen3Args
@@ -60,3 +61,42 @@ def tiny_gpt_oss(window: int = 8, **extra: Any) -> GptOssArgs:
     )
     shape.update(extra)
     return GptOssArgs(sliding_window=window, **shape)
+
+
+def tiny_deepseek_v3(**extra: Any) -> DeepSeekV3Args:
+    """Three blocks (one dense, two MoE with 8 sigmoid-routed experts in 2 groups and a shared
+    one) of 4 MLA heads (query and key/value latents of 32, 16 + 8 rotated channels, values of
+    16), YaRN RoPE over a 64-position table, no MTP unless ``extra`` says otherwise."""
+    moe = MoEArgs(
+        num_experts=8,
+        top_k=2,
+        expert_dim=32,
+        num_shared_experts=1,
+        score_func="sigmoid",
+        route_scale=2.5,
+        n_groups=2,
+        topk_groups=1,
+        bias_update_rate=0.001,
+    )
+    shape: dict[str, Any] = dict(
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        vocab_size=256,
+        max_seq_len=64,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        intermediate_size=96,
+        n_dense_layers=1,
+        moe=moe,
+        rope_factor=4.0,
+        rope_original_max_seq_len=16,
+        rope_mscale=1.0,
+        rope_mscale_all_dim=1.0,
+        mtp_depth=0,
+    )
+    shape.update(extra)
+    return DeepSeekV3Args(**shape)

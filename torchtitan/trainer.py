@@ -42,6 +42,7 @@ from torchtitan.guards.spikes import StepGuard
 from torchtitan.loss.chunked import build_chunked_loss
 from torchtitan.microbatch import MicrobatchRunner, ScaledLoss
 from torchtitan.models import MODELS, runtime_args
+from torchtitan.models.common.args import mtp_overrides
 from torchtitan.models.common.attention import resolve_attn_backend
 from torchtitan.models.common.moe import moe_overrides, set_aux_loss_scale
 from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
@@ -125,6 +126,7 @@ class Trainer:
             self.spec, cfg.model.flavor, self.tokenizer.vocab_size, cfg.training.seq_len, backend
         )
         self.model_args = moe_overrides(self.model_args, cfg.model)  # model.moe_* (docs/moe.md)
+        self.model_args = mtp_overrides(self.model_args, cfg.model)  # docs/deepseek_v3.md
         model = build_meta_model(cfg, self.spec, self.model_args, dims, self.device)
         loss_fn = build_loss_fn(cfg, dims)
         self.param_dtype = dist_utils.resolve_dtype(
@@ -256,6 +258,10 @@ class Trainer:
         moe_load = ExpertLoadMetrics(self.model_parts, self.parallel_dims.get_mesh("dp_cp"))
         if moe_load:  # per-layer expert load and aux loss at log steps (docs/moe.md)
             self.metrics.extra_fields.append(moe_load)
+        for part in self.model_parts:  # a family's own sources (DeepSeek-V3's MTP loss)
+            sources = getattr(part, "metrics_sources", None)
+            if sources is not None:
+                self.metrics.extra_fields.extend(sources(self.parallel_dims.get_mesh("dp_cp")))
         self.nonfinite = NonFiniteGuard(
             cfg.training.nonfinite_policy, rank=self.rank, stage_ids=self.pp_stage_ids or None
         )

@@ -70,6 +70,12 @@ class Model:
     moe_bias_update_rate: float = -1.0
     """MoE flavors: step of the auxiliary-loss-free routing bias per optimizer step (0 turns it off); -1 keeps the flavor's."""
 
+    mtp_depth: int = -1
+    """Multi-token prediction (deepseek_v3): number of MTP modules, each predicting one token further (0 turns it off); -1 keeps the flavor's (docs/deepseek_v3.md)."""
+
+    mtp_loss_weight: float = -1.0
+    """Multi-token prediction: weight lambda of the MTP loss lambda / D * sum_k CE_k added to the main loss (0 trains nothing through it); -1 keeps the flavor's."""
+
 
 @dataclass
 class MixtureSource:

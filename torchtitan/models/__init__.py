@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from torchtitan.models.deepseek_v3 import deepseek_v3_spec
 from torchtitan.models.gpt_oss import gpt_oss_spec
 from torchtitan.models.llama3 import llama3_spec
 from torchtitan.models.qwen3 import qwen3_spec
@@ -15,6 +16,7 @@ MODELS: dict[str, ModelSpec] = {
     "llama3": llama3_spec,
     "qwen3": qwen3_spec,
     "gpt_oss": gpt_oss_spec,
+    "deepseek_v3": deepseek_v3_spec,
 }
 
 

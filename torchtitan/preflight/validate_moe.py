@@ -1,4 +1,5 @@
-"""Config checks for expert parallel (part of ``validate_config``; docs/parallelisms.md)."""
+"""Config checks for expert parallel and multi-token prediction (part of ``validate_config``;
+docs/parallelisms.md, docs/deepseek_v3.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
         if value != -1.0 and (value < 0 or moe is None):
             rule = "must be >= 0 (or -1: the flavor's)" if value < 0 else "needs an MoE flavor"
             raise ConfigError(f"model.{name}", value, rule, "remove it, or pick an MoE flavor")
+    validate_mtp(cfg, dims)
     ep = cfg.parallelism.expert_parallel_degree
     if ep < 1:
         raise ConfigError(
@@ -53,3 +55,29 @@ def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
             f"must divide the {moe.num_experts} experts of each MoE layer",
             f"use one of {', '.join(map(str, options))}",
         )
+
+
+def validate_mtp(cfg: JobConfig, dims: ParallelDims) -> None:
+    """The multi-token-prediction overrides need a family with MTP (deepseek_v3); MTP modules
+    (the flavor's or ``model.mtp_depth``) are not built under pipeline or context parallel
+    (docs/deepseek_v3.md)."""
+    args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
+    has_mtp = hasattr(args, "mtp_depth")
+    for name in ("mtp_depth", "mtp_loss_weight"):
+        value = getattr(cfg.model, name)
+        if value != -1 and not has_mtp:
+            raise ConfigError(
+                f"model.{name}",
+                value,
+                f"{cfg.model.name} has no multi-token prediction",
+                "remove it, or use --model.name deepseek_v3",
+            )
+    depth = cfg.model.mtp_depth if cfg.model.mtp_depth >= 0 else getattr(args, "mtp_depth", 0)
+    for axis, degree in (("pipeline", dims.pp), ("context", dims.cp)):
+        if depth > 0 and degree > 1:
+            raise ConfigError(
+                "model.mtp_depth",
+                depth,
+                f"multi-token prediction under {axis} parallel is not built",
+                "set --model.mtp_depth 0",
+            )

@@ -11,6 +11,7 @@ feed-forward is not that SwiGLU, its size (``_ffn_params``, e.g. MoE).
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -136,3 +137,14 @@ def flavor_table(
     return {
         name: make(**shared, **dict(zip(columns, row, strict=True))) for name, row in rows.items()
     }
+
+
+def mtp_overrides(args: Any, model_cfg: Any) -> Any:
+    """``args`` with ``model.mtp_depth`` / ``model.mtp_loss_weight`` applied where they are set
+    (>= 0) and the args have those fields (multi-token prediction, docs/deepseek_v3.md);
+    preflight refuses them for a family without."""
+    changes = {"mtp_depth": model_cfg.mtp_depth, "mtp_loss_weight": model_cfg.mtp_loss_weight}
+    changes = {k: v for k, v in changes.items() if v >= 0}
+    if not changes or not hasattr(args, "mtp_depth"):
+        return args
+    return dataclasses.replace(args, **changes)

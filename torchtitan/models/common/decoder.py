@@ -247,15 +247,15 @@ class Decoder(nn.Module, abc.ABC):
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """(Re)compute ``freqs_cis`` on ``device`` (default: where the buffer is now) and zero
-        the MoE layers' routing bias and load counters.
+        the MoE layers' load counters (statistics of the steps since a log, never state).
 
-        Needed after ``to_empty``, which leaves buffers uninitialized.
+        Needed after ``to_empty``, which leaves buffers uninitialized. The routing bias is
+        state: a checkpoint's (loaded before or after this call), or zero from ``init_weights``.
         """
         target = self.freqs_cis.device if device is None else torch.device(device)
         self.freqs_cis = self._compute_freqs_cis(target)
         for module in self.modules():
             if isinstance(module, MoE):
-                module.router.expert_bias.zero_()
                 module.tokens_per_expert.zero_()
                 module.load_since_log.zero_()
                 module.aux_since_log.zero_()
@@ -304,6 +304,10 @@ class Decoder(nn.Module, abc.ABC):
         return plan
 
     def init_weights(self, seed: int = 0, buffer_device: torch.device | str | None = None) -> None:
-        """``init_buffers(buffer_device)``, then every parameter from ``weight_init_plan``."""
+        """``init_buffers(buffer_device)``, the MoE routing bias to zero, then every parameter
+        from ``weight_init_plan``."""
         self.init_buffers(buffer_device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.router.expert_bias.zero_()
         init_params_deterministic(self, self.weight_init_plan(), seed)

@@ -29,9 +29,10 @@ class LayerKVCache:
         """Append ``xk``/``xv`` (``[B, S, H, Dh]``, positions ``length .. length+S-1``) and
         return all cached keys and values up to and including them."""
         if self.k is None or self.v is None:
-            shape = (xk.shape[0], self.max_len, *xk.shape[2:])
-            self.k = xk.new_zeros(shape)
-            self.v = xv.new_zeros(shape)
+            # Each buffer takes its own trailing shape: MLA caches a latent and a rotated key
+            # of different widths here (models/deepseek_v3/mla.py).
+            self.k = xk.new_zeros((xk.shape[0], self.max_len, *xk.shape[2:]))
+            self.v = xv.new_zeros((xv.shape[0], self.max_len, *xv.shape[2:]))
         end = self.length + xk.shape[1]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; asked for {end}")

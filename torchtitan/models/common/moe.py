@@ -242,11 +242,14 @@ def collect_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 def set_aux_loss_scale(models: list[nn.Module], scale: float) -> None:
-    """The gradient seed of every MoE layer's auxiliary loss: the factor the training loss of
-    one forward gets (``1 / (grad_accum_steps x pipeline microbatches)``)."""
+    """The gradient seed of every auxiliary loss: the factor the training loss of one forward
+    gets (``1 / (grad_accum_steps x pipeline microbatches)``). Set on every module with an
+    ``aux_loss_scale``: the MoE layers and others that attach a loss the same way (DeepSeek-V3's
+    multi-token prediction, docs/deepseek_v3.md)."""
     for model in models:
-        for layer in moe_layers(model):
-            layer.aux_loss_scale = scale
+        for module in model.modules():
+            if hasattr(module, "aux_loss_scale"):
+                setattr(module, "aux_loss_scale", scale)  # noqa: B010 (any module type)
 
 
 @torch.no_grad()

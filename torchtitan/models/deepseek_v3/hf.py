@@ -1,0 +1,234 @@
+"""DeepSeek-V3's Hugging Face format (``DeepseekV3ForCausalLM``), declared for the shared adapter
+(``models/common/hf/``; docs/deepseek_v3.md):
+
+- MLA: ``self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj}``, ``kv_a_proj_with_mqa``,
+  ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``. No RoPE permutation: transformers' DeepSeek-V3
+  (``rope_interleave``, its default) rotates adjacent channel pairs as we do and writes queries
+  and keys in the same channel order, so the scores are equal; ``rope_interleave: false`` is
+  refused on import;
+- dense blocks ``mlp.{gate,up,down}_proj``; MoE blocks ``mlp.gate`` (router) with its
+  ``e_score_correction_bias`` (our auxiliary-loss-free ``expert_bias``), ``mlp.experts``
+  (per-expert or fused) and ``mlp.shared_experts``;
+- the MTP modules as the release stores them: layer ``n_layers + k`` with ``enorm``, ``hnorm``,
+  ``eh_proj``, ``shared_head.norm``, the block's tensors, and copies of the embedding and the
+  output head (``embed_tokens``, ``shared_head.head``: written on export, dropped on import since
+  ours are shared); transformers' model itself has no MTP and ignores them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from torchtitan.models.common.hf import ConfigField, ExpertStack, HFConfig, HFMapping
+from torchtitan.models.common.hf import StateDictAdapter as SharedAdapter
+from torchtitan.models.common.hf.decoder import BLOCK_NORMS, DECODER_TOP, SWIGLU, decoder_fields
+from torchtitan.models.common.moe import MoEArgs
+from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
+
+MLA_NAMES = {
+    f"attention.{ours}.weight": f"self_attn.{hf}.weight"
+    for ours, hf in {
+        "wq": "q_proj",
+        "wq_a": "q_a_proj",
+        "q_norm": "q_a_layernorm",
+        "wq_b": "q_b_proj",
+        "wkv_a": "kv_a_proj_with_mqa",
+        "kv_norm": "kv_a_layernorm",
+        "wkv_b": "kv_b_proj",
+        "wo": "o_proj",
+    }.items()
+}
+MOE_NAMES = {
+    "moe.router.gate.weight": "mlp.gate.weight",
+    "moe.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "moe.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "moe.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "moe.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+}
+MTP_NAMES = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+MTP_SHARED_COPIES = {
+    "embed_tokens.weight": "tok_embeddings.weight",
+    "shared_head.head.weight": "output.weight",
+}
+
+
+class _MoESection:
+    """``DeepseekV3Config``'s routing fields <-> ``moe`` and ``n_dense_layers``."""
+
+    def to_hf(self, a: DeepSeekV3Args) -> dict[str, Any]:
+        m = a.moe
+        if m is None:
+            return {"first_k_dense_replace": a.n_layers, "n_routed_experts": 1}
+        if m.score_func != "sigmoid" or m.num_shared_experts == 0:
+            raise ValueError("DeepseekV3ForCausalLM routes with sigmoid scores and shared experts")
+        return {
+            "first_k_dense_replace": a.n_dense_layers,
+            "n_routed_experts": m.num_experts,
+            "num_experts_per_tok": m.top_k,
+            "moe_intermediate_size": m.expert_dim,
+            "n_shared_experts": m.num_shared_experts,
+            "norm_topk_prob": m.route_norm,
+            "routed_scaling_factor": m.route_scale,
+            "n_group": m.n_groups,
+            "topk_group": m.topk_groups,
+        }
+
+    def from_hf(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        n_layers, dense = config["num_hidden_layers"], config.get("first_k_dense_replace", 0)
+        if dense >= n_layers:
+            return {"n_dense_layers": n_layers, "moe": None}
+        moe = MoEArgs(
+            num_experts=int(config.get("n_routed_experts") or config["num_local_experts"]),
+            top_k=config["num_experts_per_tok"],
+            expert_dim=config["moe_intermediate_size"],
+            num_shared_experts=config.get("n_shared_experts", 1),
+            score_func="sigmoid",
+            route_norm=config.get("norm_topk_prob", True),
+            route_scale=config.get("routed_scaling_factor", 1.0),
+            n_groups=config.get("n_group") or 1,
+            topk_groups=config.get("topk_group") or 1,
+            bias_update_rate=0.001,  # the released models' correction bias is used for routing
+        )
+        return {"n_dense_layers": dense, "moe": moe}
+
+
+class _RopeSection:
+    """YaRN: ``rope_parameters`` (transformers >= 5) or ``rope_scaling`` <-> the ``rope_*``
+    fields; also the MLA head widths."""
+
+    def to_hf(self, a: DeepSeekV3Args) -> dict[str, Any]:
+        out: dict[str, Any] = {"q_lora_rank": a.q_lora_rank or None, "rope_interleave": True}
+        params: dict[str, Any] = {"rope_type": "default", "rope_theta": a.rope_theta}
+        if a.rope_factor != 1.0:
+            params.update(
+                rope_type="yarn",
+                factor=a.rope_factor,
+                original_max_position_embeddings=a.rope_original_max_seq_len,
+                beta_fast=a.rope_beta_fast,
+                beta_slow=a.rope_beta_slow,
+                mscale=a.rope_mscale,
+                mscale_all_dim=a.rope_mscale_all_dim,
+            )
+        return {**out, "rope_parameters": params, "rope_scaling": params}
+
+    def from_hf(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        if config.get("rope_interleave", True) is False:
+            raise ValueError("rope_interleave=false (half-split RoPE) is not supported")
+        p = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        out: dict[str, Any] = {"q_lora_rank": config.get("q_lora_rank") or 0}
+        if p.get("rope_type", p.get("type", "default")) in ("yarn", "deepseek_yarn"):
+            out.update(
+                rope_factor=float(p["factor"]),
+                rope_original_max_seq_len=int(p["original_max_position_embeddings"]),
+                rope_beta_fast=float(p.get("beta_fast") or 32),
+                rope_beta_slow=float(p.get("beta_slow") or 1),
+                rope_mscale=float(p.get("mscale") or 0),
+                rope_mscale_all_dim=float(p.get("mscale_all_dim") or 0),
+            )
+        return out
+
+
+_CONFIG = HFConfig(
+    make_args=DeepSeekV3Args,
+    constants={
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_act": "silu",
+        "attention_bias": False,
+    },
+    fields=(
+        *decoder_fields(
+            kv_heads=lambda c: c["num_attention_heads"],
+            norm_eps=1e-6,
+            rope_theta=10000.0,
+            max_seq_len=4096,
+        ),
+        ConfigField("intermediate_size", "intermediate_size"),
+        ConfigField("kv_lora_rank", "kv_lora_rank"),
+        ConfigField("qk_nope_head_dim", "qk_nope_head_dim"),
+        ConfigField("qk_rope_head_dim", "qk_rope_head_dim"),
+        ConfigField("v_head_dim", "v_head_dim"),
+        ConfigField("num_nextn_predict_layers", "mtp_depth", default=0),
+    ),
+    sections=(_MoESection(), _RopeSection()),
+)
+
+DEEPSEEK_V3_HF = HFMapping(
+    top=DECODER_TOP,
+    layer={**MLA_NAMES, **BLOCK_NORMS, **SWIGLU, **MOE_NAMES},
+    transforms={},
+    experts=ExpertStack(
+        ours="moe.experts", fused={"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+    ),
+    config=_CONFIG,
+)
+"""DeepSeek-V3 <-> ``DeepseekV3ForCausalLM`` (the main model; :class:`DeepSeekV3Adapter` adds
+the MTP layers)."""
+
+
+class DeepSeekV3Adapter(SharedAdapter):
+    """The shared adapter, plus the MTP modules as HF layers ``n_layers + k``."""
+
+    def __init__(self, mapping: HFMapping, args: DeepSeekV3Args) -> None:
+        super().__init__(mapping, args)
+        self._mtp = re.compile(r"^mtp\.(\d+)\.(.+)$")
+
+    def to_hf(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        main = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
+        out = super().to_hf(main)
+        n = self.args.n_layers
+        for key, w in sd.items():
+            found = self._mtp.match(key)
+            if found is None:
+                continue
+            layer, name = n + int(found.group(1)), found.group(2)
+            if name.startswith("block."):  # the block's tensors under the layer's HF names
+                block = super().to_hf({f"layers.{layer}.{name.removeprefix('block.')}": w})
+                out.update(block)
+            else:
+                out[f"model.layers.{layer}.{MTP_NAMES[name]}"] = w
+        for k in range(self.args.mtp_depth):
+            for hf, ours in MTP_SHARED_COPIES.items():
+                out[f"model.layers.{n + k}.{hf}"] = sd[ours].clone()  # saved apart
+        return out
+
+    def from_hf(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        n, depth = self.args.n_layers, self.args.mtp_depth
+        main, mtp = {}, {}
+        for key, w in hf.items():
+            found = self._hf_layer.match(key)
+            if found is not None and int(found.group(1)) >= n:
+                if int(found.group(1)) < n + depth:  # MTP layers we do not build: dropped
+                    mtp[key] = w
+            else:
+                main[key] = w
+        out = super().from_hf(main)
+        hf_mtp = {v: k for k, v in MTP_NAMES.items()}
+        blocks: dict[str, torch.Tensor] = {}
+        for key, w in mtp.items():
+            found = self._hf_layer.match(key)
+            assert found is not None
+            layer, name = int(found.group(1)), found.group(2)
+            if name in hf_mtp:
+                out[f"mtp.{layer - n}.{hf_mtp[name]}"] = w
+            elif name not in MTP_SHARED_COPIES:  # those are our shared embedding and head
+                blocks[key] = w
+        for key, w in super().from_hf(blocks).items():  # "layers.<n + k>.<name>"
+            _, block_id, rest = key.split(".", 2)
+            out[f"mtp.{int(block_id) - n}.block.{rest}"] = w
+        return out
+
+
+def args_from_hf_config(config: Mapping[str, Any]) -> DeepSeekV3Args:
+    """Our args for a Hugging Face DeepSeek-V3 ``config.json``."""
+    args: DeepSeekV3Args = DEEPSEEK_V3_HF.config.args_from_hf(config)
+    return args
