@@ -450,6 +450,32 @@ class Sft:
 
 
 @dataclass
+class Lora:
+    enable: bool = False
+    """Train low-rank adapters on a frozen base (LoRA; docs/lora.md): no base gradients or optimizer state; checkpoints hold the adapters only."""
+
+    rank: int = 8
+    """Adapter rank r."""
+
+    alpha: float = 16.0
+    """Adapter scaling numerator: the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora)."""
+
+    dropout: float = 0.0
+    """Dropout on the adapter's input."""
+
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r)."""
+
+    target_modules: list[str] = field(
+        default_factory=lambda: ["attention.wq", "attention.wk", "attention.wv", "attention.wo"]
+    )
+    """Module-name patterns (fnmatch, matched against the module's name or a dotted suffix of it) that get adapters: nn.Linear projections or grouped MoE experts (feed_forward.experts)."""
+
+    quantize_base: Literal["none", "nf4"] = "none"
+    """Store the frozen base's adapted projections in NF4 (QLoRA, torchao; one process only)."""
+
+
+@dataclass
 class FaultTolerance:
     watchdog_timeout_seconds: float = 0.0
     """When a training step runs longer than this, every rank writes the Python stacks of all its threads and the phase it waits in to <dump_folder>/<watchdog_folder>/ (with the NCCL flight recorder's trace on CUDA); must be shorter than comm.train_timeout_seconds. 0 turns the watchdog off. Armed from step 2 (step 1 includes warm-up)."""
@@ -482,4 +508,5 @@ class JobConfig:
     validation: Validation = field(default_factory=Validation)
     debug: Debug = field(default_factory=Debug)
     sft: Sft = field(default_factory=Sft)
+    lora: Lora = field(default_factory=Lora)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
