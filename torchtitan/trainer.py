@@ -28,6 +28,7 @@ from torchtitan.builders import (
     peak_flops,
 )
 from torchtitan.checkpoint.manager import CheckpointManager
+from torchtitan.lora.qlora import quantize_base
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_toml
 from torchtitan.data.tokenizer import build_tokenizer
@@ -65,6 +66,7 @@ class Trainer:
         self._build_optimizer()  # optimizer and LR schedule
         self._build_observability()  # metrics, non-finite guard, validation, profiler
         self._build_checkpointer()  # resume from the newest valid checkpoint
+        self._quantize_base()  # QLoRA: the final frozen base to NF4 (docs/lora.md)
         self._build_step()  # one training step, given every collaborator it uses
         logger.info(
             f"{self.batch.describe()}; seq_len {cfg.training.seq_len}; "
@@ -312,6 +314,13 @@ class Trainer:
         resumed = self.checkpointer.load()
         if resumed is not None:
             self.step = resumed["step"]
+
+    def _quantize_base(self) -> None:
+        if self.cfg.lora.enable and self.cfg.lora.quantize_base == "nf4":
+            before, after = quantize_base(self.model_parts)
+            logger.info(
+                f"qlora: adapted base weights {before / 2**20:.1f} -> {after / 2**20:.1f} MiB (NF4)"
+            )
 
     def _build_step(self) -> None:
         self.steps = TrainStep(

@@ -43,7 +43,7 @@ def _dropout(p: float) -> nn.Module:
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for a plain weight or a torchao NF4 one (QLoRA: dequantized per call)."""
     if type(w).__name__ == "NF4Tensor" or type(getattr(w, "data", None)).__name__ == "NF4Tensor":
-        from torchao.dtypes.nf4tensor import linear_nf4
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
 
         return linear_nf4(x, w)
     return F.linear(x, w)
