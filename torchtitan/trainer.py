@@ -28,7 +28,6 @@ from torchtitan.builders import (
     peak_flops,
 )
 from torchtitan.checkpoint.manager import CheckpointManager
-from torchtitan.lora.qlora import quantize_base
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_toml
 from torchtitan.data.tokenizer import build_tokenizer
@@ -39,6 +38,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
 from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
+from torchtitan.lora.qlora import quantize_base
 from torchtitan.loss.chunked import build_chunked_loss
 from torchtitan.microbatch import MicrobatchRunner, ScaledLoss
 from torchtitan.models import MODELS, runtime_args

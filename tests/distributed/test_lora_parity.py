@@ -82,7 +82,13 @@ def test_lora_fsdp2_matches_one_process(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     ref = reference("llama3", tmp_path_factory)
-    extra = ["--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "5"]
+    extra = [
+        "--training.local_batch_size",
+        "4",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "5",
+    ]
     got = lora_run(extra, 2, tmp_path)
     assert_losses_match(losses(ref), losses(got), rtol=1e-5, label="LoRA FSDP 2")
     ckpt = tmp_path / "checkpoint" / f"step-{STEPS}"

@@ -95,9 +95,7 @@ def test_forward_and_grads_match_peft(case: str, tmp_path: Path) -> None:
     (their_logits.square().mean()).backward()
     ours_g = to_peft({n: p.grad for n, p in model.named_parameters() if p.requires_grad}, adapter)
     their_g = {
-        k.replace(".default", ""): p.grad
-        for k, p in theirs.named_parameters()
-        if p.requires_grad
+        k.replace(".default", ""): p.grad for k, p in theirs.named_parameters() if p.requires_grad
     }
     assert set(ours_g) == set(their_g) and len(ours_g) > 0
     worst = max(ours_g, key=lambda k: _rel(ours_g[k], their_g[k]))

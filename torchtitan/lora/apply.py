@@ -56,14 +56,14 @@ def apply_lora(model: nn.Module, cfg: Lora) -> list[str]:
             new = LoRAExperts(module, names, cfg.rank, scaling, cfg.dropout)
         else:
             raise ValueError(
-                f"lora.target_modules: {fqn} is a {type(module).__name__}; adapters wrap "
+                f"{fqn} is a {type(module).__name__}; adapters wrap "
                 "nn.Linear projections and grouped MoE experts"
             )
         parent, _, child = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         adapted.append(fqn)
     if not adapted:
-        raise ValueError(f"lora.target_modules {cfg.target_modules} match no module of the model")
+        raise ValueError(f"{cfg.target_modules} match no module of the model")
     freeze_base(model)
     return adapted
 

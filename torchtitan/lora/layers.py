@@ -53,6 +53,12 @@ class LoRALinear(nn.Linear):
     """A frozen linear projection plus a trainable low-rank update (no bias: our projections
     have none)."""
 
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    lora_dropout: nn.Module
+    rank: int
+    scaling: float
+
     def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float) -> None:
         nn.Module.__init__(self)
         if base.bias is not None:

@@ -161,4 +161,5 @@ def local_linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``m(x)`` on local values: a module with ``local_forward`` (an adapter, docs/lora.md)
     runs it, a plain ``nn.Linear`` multiplies by its local weight."""
     fwd = getattr(m, "local_forward", None)
-    return fwd(x) if callable(fwd) else F.linear(x, local_weight(m.weight, 1.0))
+    weight: torch.Tensor = m.weight  # type: ignore[assignment]
+    return fwd(x) if callable(fwd) else F.linear(x, local_weight(weight, 1.0))
