@@ -28,6 +28,7 @@ from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.eval.validation_loss import Validator
 from torchtitan.lora.apply import apply_lora, base_init_only, freeze_base, init_adapters
 from torchtitan.lora.layers import is_adapter_name
+from torchtitan.lora.peft_io import load_into
 from torchtitan.loss.cross_entropy import cross_entropy_sum
 from torchtitan.metrics.processor import MetricsProcessor
 from torchtitan.metrics.writers import MetricWriter, build_writers
@@ -147,6 +148,11 @@ def build_model_parts(
         # Under FSDP CPU offload the parameter shards live on the host (docs/memory.md).
         part.to_empty(device="cpu" if cfg.parallelism.fsdp_cpu_offload else device)
         init_part(part, cfg.debug.seed, device, cfg.lora.enable)
+        if cfg.lora.enable and cfg.lora.adapter_path:
+            n = load_into(
+                part, Path(cfg.lora.adapter_path), spec.state_dict_adapter(args), cfg.lora
+            )
+            logger.info(f"lora: {n} adapter tensors from {cfg.lora.adapter_path}")
         part.train()
     return parts
 

@@ -471,6 +471,9 @@ class Lora:
     )
     """Module-name patterns (fnmatch, matched against the module's name or a dotted suffix of it) that get adapters: nn.Linear projections or grouped MoE experts (feed_forward.experts)."""
 
+    adapter_path: str = ""
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from, written for the same rank, alpha and use_rslora (docs/lora.md)."""
+
     quantize_base: Literal["none", "nf4"] = "none"
     """Store the frozen base's adapted projections in NF4 (QLoRA, torchao; one process only)."""
 

@@ -18,11 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from torchtitan.config.job_config import Lora
 from torchtitan.lora.layers import is_adapter_name, lora_scaling
 
-__all__ = ["load_peft_adapters", "merge_adapters", "peft_config", "save_peft_adapters", "to_peft"]
+__all__ = [
+    "load_into",
+    "load_peft_adapters",
+    "merge_adapters",
+    "peft_config",
+    "save_peft_adapters",
+    "to_peft",
+]
 
 PEFT_PREFIX = "base_model.model."
 _WEIGHTS, _CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -147,3 +155,25 @@ def merge_adapters(sd: dict[str, torch.Tensor], cfg: Lora) -> dict[str, torch.Te
             delta = torch.bmm(a.float(), sd[f"{module}.lora_B_{name}"].float())
             out[f"{module}.{name}"] = (w.float() + s * delta).to(w.dtype)
     return out
+
+
+def load_into(part: nn.Module, folder: Path, adapter: Any, cfg: Lora) -> int:
+    """Start ``part``'s adapters (one model, or one pipeline stage; any parallel layout) from a
+    PEFT folder written for the same settings; returns the number of tensors loaded."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    names = [
+        n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+        for n, _ in part.named_parameters()
+    ]
+    modules = sorted(n.removesuffix(".lora_A") for n in names if n.endswith(".lora_A"))
+    got, theirs = load_peft_adapters(folder, adapter, modules)
+    ours = (cfg.rank, cfg.alpha, cfg.use_rslora)
+    if (theirs.rank, theirs.alpha, theirs.use_rslora) != ours:
+        raise ValueError(
+            f"lora.adapter_path {folder}: r={theirs.rank}, lora_alpha={theirs.alpha}, "
+            f"use_rslora={theirs.use_rslora}, but [lora] has rank, alpha, use_rslora = {ours}"
+        )
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(part, got, options=options)
+    return len(got)

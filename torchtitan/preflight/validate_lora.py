@@ -6,6 +6,8 @@ Hugging Face or the seed), and adapters on the output head under the chunked los
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from torchtitan.config.errors import ConfigError
@@ -48,6 +50,14 @@ def validate_lora(cfg: JobConfig, dims: ParallelDims) -> None:
             "nf4",
             f"the NF4 base runs in one process (world size {dims.world_size})",
             "use quantize_base = none for parallel LoRA, or one process",
+        )
+    folder = Path(lo.adapter_path) if lo.adapter_path else None
+    if folder is not None and not (folder / "adapter_config.json").is_file():
+        raise ConfigError(
+            "lora.adapter_path",
+            lo.adapter_path,
+            "must be a PEFT folder holding adapter_config.json",
+            "point it at a folder written by scripts/export_lora.py or PEFT's save_pretrained",
         )
     _check_targets(cfg, lo)
 
