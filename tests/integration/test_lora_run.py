@@ -7,6 +7,7 @@ the first one ended; the loss falls."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from tests.launcher import run_ranks
 from tests.parity import ROOT, read_jsonl
 from tests.script_loader import load
 from torchtitan.checkpoint.storage import read_model_weights
+from torchtitan.checkpoint.trust import decode_state
 from torchtitan.config.manager import parse_args
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.lora.apply import apply_lora
@@ -113,3 +115,28 @@ def test_hf_base_lora_sft_peft_generation(tmp_path: Path) -> None:
     first = read_jsonl(dump2 / "metrics" / "rank_0.jsonl")[0]["loss"]
     print(f"run from the PEFT adapters: first loss {first:.4f} (first run's last {loss[-1]:.4f})")
     assert first < loss[0] - 1e-3
+
+
+@pytest.mark.slow
+def test_lora_resume_is_bitwise_and_names_the_base(tmp_path: Path) -> None:
+    from tests.checkpoint_helpers import assert_checkpoints_identical, read_checkpoint
+
+    _hf_base(tmp_path / "base")
+    common = [*TOML, *SHORT, "--training.steps", "4", "--checkpoint.interval", "2"]
+    common += ["--checkpoint.initial_load_path", str(tmp_path / "base")]
+    common += ["--checkpoint.initial_load_in_hf", "--parallelism.data_parallel_shard_degree", "2"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_ranks(_train, 2, [*common, "--job.dump_folder", str(straight)]) == [0, 0]
+    # The same run stopped after step 2: its folder without step-4, resumed (base from HF,
+    # adapters, optimizer, schedule, data and RNG from step-2).
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "metrics")
+    shutil.move(resumed / "checkpoint/step-4", tmp_path / "straight-step-4")
+    assert run_ranks(_train, 2, [*common, "--job.dump_folder", str(resumed)]) == [0, 0]
+    straight = tmp_path / "straight-step-4"
+    n = assert_checkpoints_identical(straight, resumed / "checkpoint/step-4")
+    model = read_model_weights(straight)
+    assert model and all(".lora_" in k for k in model)
+    state = decode_state(read_checkpoint(straight)["train_state"])
+    assert state["settings"]["model"]["checkpoint.initial_load_path"] == str(tmp_path / "base")
+    print(f"LoRA FSDP 2 resume: {n} checkpoint entries bitwise equal, {len(model)} adapter tensors")
