@@ -1,7 +1,7 @@
 """The estimator and planner with adapters (docs/lora.md, "Planning"): a frozen base has no
 gradients or optimizer state, an NF4 base stores its adapted projections in ~0.52 bytes per
 value, and when full fine-tuning of Llama 3 8B fits one 24 GiB device only with CPU offload the
-planner proposes QLoRA first (its override line validates)."""
+planner also proposes QLoRA (its override line validates)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,11 @@ def test_frozen_base_and_nf4_terms() -> None:
 
 def test_8b_on_one_24_gib_device_proposes_qlora() -> None:
     results = _plan("llama3_8b.toml", 1, memory_gib=24)
-    best = results[0]
-    assert "qlora" in best.layout.levers and "lora" in best.layout.levers
-    assert any("cpu_offload" in r.layout.levers for r in results[1:])  # full FT: offloaded
+    assert "cpu_offload" in results[0].layout.levers  # full fine-tuning first, offloaded
+    tuned = [r for r in results if "lora" in r.layout.levers]
+    assert tuned, "no adapter layout proposed"
+    best = tuned[0]
+    assert "qlora" in best.layout.levers  # LoRA over an fp32 8B base (~32 GiB) does not fit
     assert best.memory.total <= 0.9 * 24 * GIB
+    assert best.step_time_s < results[0].step_time_s / 5
     _check_override_line("llama3_8b.toml", best, 1)

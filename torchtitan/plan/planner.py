@@ -150,11 +150,11 @@ def plan(
     results, too_big = _first_fitting(cfg, a, world_size, hw, layouts, full)
     if not results or any("cpu_offload" in r.layout.levers for r in results[:1]):
         # Full fine-tuning does not fit, or only with CPU offload: adapters on a frozen base
-        # are proposed first (docs/lora.md), the offloaded full fine-tuning after them.
+        # (docs/lora.md) are proposed too, after any full fine-tuning layout.
         adapters = [lv for lv in LEVER_SETS if "lora" in lv]
         tuned, too_big_tuned = _first_fitting(cfg, a, world_size, hw, layouts, adapters)
         too_big = too_big if results else too_big_tuned
-        results = tuned + results
+        results = results + tuned
     for r in results:
         r.reasons = _reasons(r, hw, world_size)
     if results and results[0].step_time_s > min(r.step_time_s for r in results):
