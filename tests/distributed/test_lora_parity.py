@@ -1,7 +1,7 @@
 """LoRA trains like one process (docs/lora.md; docs/architecture.md, promise 1): the debug
 models with adapters on every attention and MLP projection (routed experts too for Qwen3-MoE)
-give the single-process losses (fp32, relative 1e-5, 10 steps) under FSDP 2 (fast), TP 2, PP 2
-and EP 2 (slow); every rank's base weights are bitwise unchanged after training, the adapters
+give the single-process losses (fp32, relative 1e-5, 10 steps) under FSDP 2 (fast), TP 2, PP 2,
+EP 2 and FSDP 2 with AC and compile (slow); every rank's base weights are bitwise unchanged after training, the adapters
 moved, and the adapter checkpoint holds only the adapters (its size is printed)."""
 
 from __future__ import annotations
@@ -105,6 +105,11 @@ LAYOUTS = {
     "TP 2": ("llama3", ["--parallelism.tensor_parallel_degree", "2"], "8"),
     "PP 2": ("llama3", ["--parallelism.pipeline_parallel_degree", "2"], "8"),
     "EP 2": ("moe", [*MOE, "--parallelism.expert_parallel_degree", "2"], "4"),
+    "FSDP 2 + AC + compile": (
+        "llama3",
+        ["--activation_checkpoint.mode", "full", "--compile.enable"],
+        "4",
+    ),
 }
 
 

@@ -175,5 +175,5 @@ def load_into(part: nn.Module, folder: Path, adapter: Any, cfg: Lora) -> int:
             f"use_rslora={theirs.use_rslora}, but [lora] has rank, alpha, use_rslora = {ours}"
         )
     options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(part, got, options=options)
+    set_model_state_dict(part, dict[str, Any](got), options=options)
     return len(got)
