@@ -352,6 +352,13 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "the NF4 base runs in one process",
     ),
     (
+        "lora-adapter-path-missing",
+        ["--lora.enable", "--lora.adapter_path", "{d}/missing"],
+        1,
+        "lora.adapter_path",
+        "must be a PEFT folder holding adapter_config.json",
+    ),
+    (
         "lora-float8",
         ["--lora.enable", "--quantize.dense.float8.enable"],
         1,
