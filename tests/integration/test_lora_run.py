@@ -30,10 +30,19 @@ transformers = pytest.importorskip("transformers")
 
 TOML = ["--job.config_file", str(ROOT / "train_configs" / "lora_debug.toml")]
 # Short rows of one conversation pair, fp32, every step logged, a one-step warm-up.
-SHORT = (
-    "--training.seq_len 64 --training.local_batch_size 2 --training.mixed_precision_param float32 "
-    "--validation.no-enable --metrics.log_freq 1 --lr_scheduler.warmup_steps 1"
-).split()
+SHORT = [
+    "--training.seq_len",
+    "64",
+    "--training.local_batch_size",
+    "2",
+    "--training.mixed_precision_param",
+    "float32",
+    "--validation.no-enable",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "1",
+]
 
 
 def _train(argv: list[str]) -> int:
