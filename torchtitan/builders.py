@@ -27,6 +27,9 @@ from torchtitan.distributed.pipeline_parallel import split_model
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.eval.harness import Evaluator, make_lm
 from torchtitan.eval.validation_loss import Validator
+from torchtitan.lora.apply import apply_lora, base_init_only, freeze_base, init_adapters
+from torchtitan.lora.layers import is_adapter_name
+from torchtitan.lora.peft_io import load_into
 from torchtitan.loss.cross_entropy import cross_entropy_sum
 from torchtitan.metrics.processor import MetricsProcessor
 from torchtitan.metrics.writers import MetricWriter, build_writers
@@ -114,6 +117,9 @@ def build_meta_model(
             emulate=f8.emulate,
             device_type=device.type,
         )
+    if cfg.lora.enable:  # adapters before parallelize, so its plans see them (docs/lora.md)
+        adapted = apply_lora(model, cfg.lora)
+        logger.info(f"lora: rank {cfg.lora.rank} adapters on {len(adapted)} modules")
     return model
 
 
@@ -142,9 +148,27 @@ def build_model_parts(
     for part in parts:
         # Under FSDP CPU offload the parameter shards live on the host (docs/memory.md).
         part.to_empty(device="cpu" if cfg.parallelism.fsdp_cpu_offload else device)
-        cast(TrainableModel, part).init_weights(seed=cfg.debug.seed, buffer_device=device)
+        init_part(part, cfg.debug.seed, device, cfg.lora.enable)
+        if cfg.lora.enable and cfg.lora.adapter_path:
+            n = load_into(
+                part, Path(cfg.lora.adapter_path), spec.state_dict_adapter(args), cfg.lora
+            )
+            logger.info(f"lora: {n} adapter tensors from {cfg.lora.adapter_path}")
         part.train()
     return parts
+
+
+def init_part(part: nn.Module, seed: int, device: torch.device, lora: bool) -> None:
+    """The model's own init; with LoRA the base is frozen again (TP styles make new
+    parameters), adapters get PEFT's init and checkpoints hold only them (docs/lora.md)."""
+    if not lora:
+        cast(TrainableModel, part).init_weights(seed=seed, buffer_device=device)
+        return
+    freeze_base(part)
+    with base_init_only(part):
+        cast(TrainableModel, part).init_weights(seed=seed, buffer_device=device)
+    init_adapters(part, seed)
+    part.checkpoint_keys = is_adapter_name  # type: ignore[assignment]
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:

@@ -39,6 +39,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
 from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
+from torchtitan.lora.qlora import quantize_base
 from torchtitan.loss.chunked import build_chunked_loss
 from torchtitan.microbatch import MicrobatchRunner, ScaledLoss
 from torchtitan.models import MODELS, runtime_args
@@ -68,6 +69,7 @@ class Trainer:
         self._build_optimizer()  # optimizer and LR schedule
         self._build_observability()  # metrics, non-finite guard, validation, profiler
         self._build_checkpointer()  # resume from the newest valid checkpoint
+        self._quantize_base()  # QLoRA: the final frozen base to NF4 (docs/lora.md)
         self._build_step()  # one training step, given every collaborator it uses
         logger.info(
             f"{self.batch.describe()}; seq_len {cfg.training.seq_len}; "
@@ -326,6 +328,13 @@ class Trainer:
         resumed = self.checkpointer.load()
         if resumed is not None:
             self.step = resumed["step"]
+
+    def _quantize_base(self) -> None:
+        if self.cfg.lora.enable and self.cfg.lora.quantize_base == "nf4":
+            before, after = quantize_base(self.model_parts)
+            logger.info(
+                f"qlora: adapted base weights {before / 2**20:.1f} -> {after / 2**20:.1f} MiB (NF4)"
+            )
 
     def _build_step(self) -> None:
         self.steps = TrainStep(

@@ -424,6 +424,43 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "job.fit_check",
         "must be one of ['error', 'warn', 'off']",
     ),
+    # LoRA (docs/lora.md)
+    ("lora-rank-zero", ["--lora.enable", "--lora.rank", "0"], 1, "lora.rank", "must be"),
+    (
+        "lora-target-none",
+        ["--lora.enable", "--lora.target_modules", "no_such_module"],
+        1,
+        "lora.target_modules",
+        "match no module of the model",
+    ),
+    (
+        "lora-target-norm",
+        ["--lora.enable", "--lora.target_modules", "attention_norm"],
+        1,
+        "lora.target_modules",
+        "adapters wrap nn.Linear projections",
+    ),
+    (
+        "qlora-parallel",
+        ["--lora.enable", "--lora.quantize_base", "nf4"],
+        2,
+        "lora.quantize_base",
+        "the NF4 base runs in one process",
+    ),
+    (
+        "lora-adapter-path-missing",
+        ["--lora.enable", "--lora.adapter_path", "{d}/missing"],
+        1,
+        "lora.adapter_path",
+        "must be a PEFT folder holding adapter_config.json",
+    ),
+    (
+        "lora-float8",
+        ["--lora.enable", "--quantize.dense.float8.enable"],
+        1,
+        "lora.enable",
+        "adapters are not built on float8 linears",
+    ),
 ]
 
 

@@ -31,10 +31,12 @@ ALLOWED = {
     "data": BASE | {"loss"},
     "checkpoint": BASE | {"guards"},
     "eval": BASE | {"data", "metrics", "loss", "models", "checkpoint"},
+    "lora": BASE | {"models"},
     "preflight": BASE
-    | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval"},
+    | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"},
     "plan": BASE
-    | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "preflight"},
+    | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"}
+    | {"preflight"},
 }
 TOP = {
     "torchtitan.train",

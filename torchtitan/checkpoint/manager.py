@@ -221,6 +221,8 @@ class CheckpointManager:
         if isinstance(found[0], Exception):
             raise found[0]
         if found[0] is not None:
+            if self.initial_load_in_hf and self._partial_model():
+                self._load_hf(Path(self.initial_load_path))  # the base the adapters belong to
             return self._load_from(found[0].path, COMPONENTS - set(self.exclude_from_loading))
         if not self.initial_load_path:
             logger.info(f"checkpoint: none found under {self.root}; starting from step 0")
@@ -235,6 +237,10 @@ class CheckpointManager:
             raise RuntimeError(f"checkpoint.initial_load_path {path} is invalid: {reason[0]}")
         wanted = {"model"} if self.initial_load_model_only else COMPONENTS
         return self._load_from(path, wanted - set(self.exclude_from_loading))
+
+    def _partial_model(self) -> bool:
+        """Whether checkpoints hold only part of the model (``checkpoint_keys``: adapters)."""
+        return any(callable(getattr(p, "checkpoint_keys", None)) for p in self.model_parts)
 
     def rollback(self, before: int) -> dict[str, int] | None:
         """Load the newest valid resumable checkpoint of a step before ``before`` (after a loss

@@ -107,4 +107,14 @@ def resume_settings(cfg: JobConfig) -> dict[str, dict[str, Any]]:
         "optimizer.eps": o.eps,
         "optimizer.weight_decay": o.weight_decay,
     }
-    return {"optimizer": opt, "rng": {"debug.seed": cfg.debug.seed}}
+    out: dict[str, dict[str, Any]] = {"optimizer": opt, "rng": {"debug.seed": cfg.debug.seed}}
+    if cfg.lora.enable:  # adapter checkpoints name the base they belong to (docs/lora.md)
+        lo = cfg.lora
+        out["model"] = {
+            "checkpoint.initial_load_path": cfg.checkpoint.initial_load_path,
+            "lora.rank": lo.rank,
+            "lora.alpha": lo.alpha,
+            "lora.use_rslora": lo.use_rslora,
+            "lora.quantize_base": lo.quantize_base,
+        }
+    return out

@@ -35,7 +35,11 @@ def model_state_dict(parts: list[nn.Module]) -> dict[str, Any]:
     (pipeline stages keep the full model's names, so the parts never collide)."""
     sd: dict[str, Any] = {}
     for part in parts:
-        sd.update(get_model_state_dict(part))
+        own = get_model_state_dict(part)
+        # A part with ``checkpoint_keys`` (a name predicate) saves and resumes only those
+        # entries: LoRA adapters over a base loaded from elsewhere (docs/lora.md).
+        keep = getattr(part, "checkpoint_keys", None)
+        sd.update({k: v for k, v in own.items() if keep(k)} if callable(keep) else own)
     return sd
 
 

@@ -18,6 +18,7 @@ from torchtitan.config.sections import (
     Debug,
     Eval,
     FaultTolerance,
+    Lora,
     Metrics,
     Profiling,
     Quantize,
@@ -318,4 +319,5 @@ class JobConfig:
     eval: Eval = field(default_factory=Eval)
     debug: Debug = field(default_factory=Debug)
     sft: Sft = field(default_factory=Sft)
+    lora: Lora = field(default_factory=Lora)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

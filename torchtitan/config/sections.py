@@ -263,3 +263,32 @@ class Eval:
 
     checkpoint: str = ""
     """python -m torchtitan.eval: a step-N folder or checkpoint root (DCP), or a Hugging Face folder (holding config.json); empty takes the newest under job.dump_folder/checkpoint.folder."""
+
+
+@dataclass
+class Lora:
+    enable: bool = False
+    """Train low-rank adapters on a frozen base (LoRA; docs/lora.md): no base gradients or optimizer state; checkpoints hold the adapters only."""
+
+    rank: int = 8
+    """Adapter rank r."""
+
+    alpha: float = 16.0
+    """Adapter scaling numerator: the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora)."""
+
+    dropout: float = 0.0
+    """Dropout on the adapter's input."""
+
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r)."""
+
+    target_modules: list[str] = field(
+        default_factory=lambda: ["attention.wq", "attention.wk", "attention.wv", "attention.wo"]
+    )
+    """Module-name patterns (fnmatch, matched against the module's name or a dotted suffix of it) that get adapters: nn.Linear projections or grouped MoE experts (feed_forward.experts)."""
+
+    adapter_path: str = ""
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from, written for the same rank, alpha and use_rslora (docs/lora.md)."""
+
+    quantize_base: Literal["none", "nf4"] = "none"
+    """Store the frozen base's adapted projections in NF4 (QLoRA, torchao; one process only)."""

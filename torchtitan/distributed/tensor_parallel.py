@@ -39,7 +39,15 @@ def tp_problem(divisible: Mapping[str, int], tp: int, seq_len: int | None = None
 
 
 def _present(model: nn.Module, styles: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
-    return {k: v for k, v in styles.items() if submodule_or_none(model, k) is not None}
+    """The styles of the modules present; a module with ``adapt_parallel_style`` (an adapter
+    wrapper, docs/lora.md) turns its style into one that also places its own parameters."""
+    out: dict[str, ParallelStyle] = {}
+    for k, v in styles.items():
+        sub = submodule_or_none(model, k)
+        if sub is not None:
+            adapt = getattr(sub, "adapt_parallel_style", None)
+            out[k] = adapt(v) if callable(adapt) else v
+    return out
 
 
 def apply_tp(

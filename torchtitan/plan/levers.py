@@ -4,7 +4,9 @@ When no layout fits, the planner tries again with the levers switched on cumulat
 first: chunked linear + cross-entropy (costs one more forward matmul of the output projection),
 then bf16 Adam moments (costs nothing in time; stochastic rounding keeps the loss within 1% in
 our 200-step check), then FSDP CPU offload (costs the host-device copies and a CPU optimizer
-step). The first set under which a layout fits is the one shown.
+step). When full fine-tuning fits under none of them: LoRA (adapters on a frozen base), then
+QLoRA (its base in NF4; one device only). The first set under which a layout fits is the one
+shown.
 
 Offload's predicted slow-down, per step and device, with ``P`` this device's parameter shard
 elements::
@@ -35,13 +37,21 @@ LEVER_SETS: tuple[tuple[str, ...], ...] = (
     ("chunked_loss",),
     ("chunked_loss", "bf16_moments"),
     ("chunked_loss", "bf16_moments", "cpu_offload"),
+    # Not full fine-tuning any more: adapters on a frozen base, then an NF4 base (docs/lora.md).
+    ("chunked_loss", "lora"),
+    ("chunked_loss", "lora", "qlora"),
 )
 
 NAMES = {
     "chunked_loss": "chunked cross-entropy",
     "bf16_moments": "bf16 Adam moments",
     "cpu_offload": "FSDP CPU offload",
+    "lora": "LoRA (frozen base, adapters on every projection)",
+    "qlora": "QLoRA (NF4 base, one device)",
 }
+
+LORA_TARGETS = ["attention.w*", "feed_forward.w*"]
+"""What the planner adapts: every attention and dense SwiGLU projection."""
 
 
 def apply_levers(cfg: JobConfig, levers: tuple[str, ...]) -> JobConfig:
@@ -54,6 +64,10 @@ def apply_levers(cfg: JobConfig, levers: tuple[str, ...]) -> JobConfig:
         out.optimizer.moments_dtype = "bfloat16"
     if "cpu_offload" in levers:
         out.parallelism.fsdp_cpu_offload = True
+    if "lora" in levers:
+        out.lora.enable, out.lora.target_modules = True, list(LORA_TARGETS)
+    if "qlora" in levers:
+        out.lora.quantize_base = "nf4"
     return out
 
 
@@ -62,6 +76,8 @@ def lever_overrides(levers: tuple[str, ...]) -> list[str]:
         "chunked_loss": f"--training.loss_chunk_size {CHUNK} --compile.components model",
         "bf16_moments": "--optimizer.moments_dtype bfloat16",
         "cpu_offload": "--parallelism.fsdp_cpu_offload",
+        "lora": f"--lora.enable --lora.target_modules {','.join(LORA_TARGETS)}",
+        "qlora": "--lora.quantize_base nf4",
     }
     return [flags[name] for name in levers]
 

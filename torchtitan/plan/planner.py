@@ -146,18 +146,15 @@ def plan(
     """Fitting layouts, fastest first; plus how many were enumerated and how many did not fit."""
     layouts = enumerate_layouts(cfg, a, world_size, hw)
     # No lever first; when nothing fits, the lever sets of plan/levers.py, cheapest first.
-    for levers in LEVER_SETS:
-        candidates = [
-            dataclasses.replace(lay, levers=levers)
-            for lay in layouts
-            # offload needs FSDP, on a 1-rank mesh too; preflight refuses it with pure DDP
-            if "cpu_offload" not in levers or lay.dp_shard * lay.cp > 1 or lay.dp_replicate == 1
-        ]
-        results, too_big = _fitting(cfg, a, world_size, hw, candidates)
-        if results:
-            break
-    if not results:
-        results, too_big = [], len(layouts)
+    full = [lv for lv in LEVER_SETS if "lora" not in lv]
+    results, too_big = _first_fitting(cfg, a, world_size, hw, layouts, full)
+    if not results or any("cpu_offload" in r.layout.levers for r in results[:1]):
+        # Full fine-tuning does not fit, or only with CPU offload: adapters on a frozen base
+        # (docs/lora.md) are proposed too, after any full fine-tuning layout.
+        adapters = [lv for lv in LEVER_SETS if "lora" in lv]
+        tuned, too_big_tuned = _first_fitting(cfg, a, world_size, hw, layouts, adapters)
+        too_big = too_big if results else too_big_tuned
+        results = results + tuned
     for r in results:
         r.reasons = _reasons(r, hw, world_size)
     if results and results[0].step_time_s > min(r.step_time_s for r in results):
@@ -167,6 +164,30 @@ def plan(
             f"({fastest.layout.describe()}: {fastest.tokens_per_s_per_device:,.0f} tokens/s)"
         )
     return results, len(layouts), too_big
+
+
+def _first_fitting(
+    cfg: JobConfig,
+    a: ModelArgs,
+    world_size: int,
+    hw: Hardware,
+    layouts: list[Layout],
+    lever_sets: list[tuple[str, ...]],
+) -> tuple[list[PlanResult], int]:
+    """The fitting layouts under the first lever set that has any; and how many did not fit."""
+    for levers in lever_sets:
+        candidates = [
+            dataclasses.replace(lay, levers=levers)
+            for lay in layouts
+            # offload needs FSDP, on a 1-rank mesh too; preflight refuses it with pure DDP
+            if "cpu_offload" not in levers or lay.dp_shard * lay.cp > 1 or lay.dp_replicate == 1
+        ]
+        if "qlora" in levers and world_size > 1:  # the NF4 base runs in one process
+            candidates = []
+        results, too_big = _fitting(cfg, a, world_size, hw, candidates)
+        if results:
+            return results, too_big
+    return [], len(layouts)
 
 
 def _fitting(

@@ -15,6 +15,7 @@ from torchtitan.distributed.utils import resolve_dtype
 from torchtitan.models import MODELS
 from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.plan import moe_memory as moe_terms
+from torchtitan.plan.lora_memory import NF4_BYTES, lora_counts
 from torchtitan.plan.memory_terms import (
     MUON_BUFFER_BYTES,
     MemoryEstimate,
@@ -116,6 +117,9 @@ class RankMemory:
             moments = self._muon_state(roots)
         self.optimizer_states = moments if steady_state else 0
         self.grads_all = param_elems * self.mw
+        self.trained = 1.0  # the share of the parameter elements that get gradients
+        if self.cfg.lora.enable:
+            self._hold_lora(param_elems, steady_state)
         self.host = 0
         if self.offload:  # shards, their gradients and the optimizer live on the host
             self.host = self.parameters + self.grads_all + self.optimizer_states
@@ -138,6 +142,26 @@ class RankMemory:
             f"embedding/head; its step gathers up to {format_bytes(self.muon_step)} of matrices"
         )
         return adam + blocks * MUON_BUFFER_BYTES
+
+    def _hold_lora(self, param_elems: int, steady_state: bool) -> None:
+        """LoRA: a frozen base (no gradients or moments), trained fp32 adapters; QLoRA stores
+        the adapted weights in NF4 (plan/lora_memory.py)."""
+        lo = self.cfg.lora
+        c = lora_counts(self.cfg.model.name, self.a, lo)
+        share = param_elems / max(c.total, 1)
+        adapters, adapted = int(c.adapters * share), int(c.adapted * share)
+        per_adapted = NF4_BYTES if lo.quantize_base == "nf4" else self.mw
+        base = (param_elems - adapted) * self.mw + int(adapted * per_adapted)
+        self.parameters = base + adapters * 4
+        moments = adapters * optimizer_state_bytes_per_param(self.cfg.optimizer.moments_dtype)
+        self.optimizer_states = moments if steady_state else 0
+        self.grads_all = adapters * 4
+        self.trained = adapters / max(param_elems, 1)
+        kind = "QLoRA (NF4 base)" if lo.quantize_base == "nf4" else "LoRA"
+        self.notes.append(
+            f"{kind}: frozen base {format_bytes(base)}, {adapters:,} adapter parameters "
+            "(gradients and optimizer state for those only)"
+        )
 
     def _gather(self) -> None:
         """Parameters in their compute form while forward/backward runs."""
@@ -163,6 +187,8 @@ class RankMemory:
             self.unsharded_fwd = (
                 self.unsharded_root + min(blocks_live, n_layers) * self.unsharded_block
             )
+        elif self.cfg.lora.enable:  # autocast caches no copy of a frozen weight
+            self.unsharded_fwd = self.unsharded_root + min(2, n_layers) * self.unsharded_block
         else:  # autocast without FSDP: a low-precision copy of every weight until backward ends
             self.unsharded_fwd = self.unsharded_root + n_layers * self.unsharded_block
             self.notes.append("autocast keeps a low-precision copy of every weight during the step")
@@ -227,6 +253,7 @@ class RankMemory:
         unsharded_grads = (
             total_elems(tuple(self.root_shapes)) + sum(b.gathered for b in self.sizes.values())
         ) * self.reduce_bytes
+        unsharded_grads = int(unsharded_grads * self.trained)
         self.device_grads = 0 if self.offload else self.grads_all  # offloaded: on the host
         self.carried_grads = self.device_grads if accum > 1 else 0
         if self.steady:
@@ -236,6 +263,8 @@ class RankMemory:
             self.out_grad = total_elems(tuple(self.root_shapes)) * act
         elif self.has_head and not self.offload:  # the head's .grad, from the loss backward
             self.out_grad = total_elems(self.shapes.head) * self.mw
+        if self.cfg.lora.enable:  # a frozen head has no weight gradient
+            self.out_grad = total_elems(tuple(self.root_shapes)) * act if self.fsdp else 0
         # The head's gradient during the blocks' and the embedding's backward, unless it is
         # already in the carried gradients (PP x FSDP's steady state).
         self.root_grad = 0 if self.pp_fsdp and self.steady else self.out_grad
@@ -268,8 +297,9 @@ class RankMemory:
         """A block's own gradients: unsharded in the compute dtype before FSDP's
         reduce-scatter, else straight into .grad."""
         if self.pp_fsdp:
-            return 0 if self.steady else gathered * self.reduce_bytes
-        return gathered * self.act if (self.fsdp or self.act != self.mw) else stored * self.mw
+            return 0 if self.steady else int(gathered * self.reduce_bytes * self.trained)
+        own = gathered * self.act if (self.fsdp or self.act != self.mw) else stored * self.mw
+        return int(own * self.trained)
 
     def _below(self) -> int:
         """Saved activations of the other in-flight microbatches (and the token ids)."""
@@ -310,9 +340,9 @@ class RankMemory:
                 )
             )  # fmt: skip
             if self.pp_fsdp:
-                done_grads += size.gathered * self.reduce_bytes
+                done_grads += int(size.gathered * self.reduce_bytes * self.trained)
             elif not self.offload:
-                done_grads += size.stored * mw
+                done_grads += int(size.stored * mw * self.trained)
         return moments, done_grads
 
     def _embedding_backward(self, done_grads: int) -> list[_Moment]:
@@ -322,6 +352,7 @@ class RankMemory:
             return []
         emb = self.shapes.embedding
         new = emb[0] * emb[1] * (self.act if (self.fsdp or self.act != self.mw) else self.mw)
+        new = 0 if self.cfg.lora.enable else new  # a frozen embedding has no gradient
         grads = max(self.carried_grads, done_grads) + self.root_grad
         unsharded = self.unsharded_root if self.fsdp and self.reshard else self.unsharded_fwd
         if not self.needs_copy:

@@ -29,6 +29,7 @@ from torchtitan.preflight.validate_features import (
     validate_observability,
     validate_speed_features,
 )
+from torchtitan.preflight.validate_lora import validate_lora
 from torchtitan.preflight.validate_memory import validate_memory_levers
 from torchtitan.preflight.validate_moe import validate_expert_parallel
 from torchtitan.preflight.validate_optim import validate_optimizer
@@ -119,6 +120,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_context_parallel(cfg, dims.cp, dims.tp)
     validate_attention(cfg, dims.cp)
     validate_expert_parallel(cfg, dims)
+    validate_lora(cfg, dims)  # adapters (docs/lora.md)
     dims.batch_plan(cfg.training.local_batch_size, cfg.training.global_batch_size)
     validate_memory_levers(cfg, world_size)
     validate_optimizer(cfg)  # parameter groups and Muon (docs/optimizers.md)

@@ -85,6 +85,10 @@ def fraction(fix: str, high_open: bool = False) -> Num:
 AUTO = (-1,)  # -1 means "derive it" for several degrees and sizes
 
 RULES: dict[str, Num] = {
+    # lora (docs/lora.md)
+    "lora.rank": count(fix="use e.g. 8 or 16"),
+    "lora.alpha": Num(low=0.0, low_open=True, fix="use e.g. 16 (twice the rank)"),
+    "lora.dropout": fraction(fix="use 0 or e.g. 0.05", high_open=True),
     # training
     "training.local_batch_size": count(fix="use e.g. 8"),
     "training.global_batch_size": count(

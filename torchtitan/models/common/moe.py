@@ -108,13 +108,13 @@ class MoE(nn.Module):
         expert_parallel.py``); returns the sharded parameters."""
         if self.args.num_experts % mesh.size() != 0:
             raise ValueError(f"{self.args.num_experts} experts cannot split over {mesh.size()}")
-        for name in ("w1", "w2", "w3"):
-            weight = getattr(self.experts, name)
-            sharded = nn.Parameter(distribute_tensor(weight.data, mesh, [Shard(0)]))
-            setattr(self.experts, name, sharded)
+        # Every stacked [E, ...] parameter: w1/w2/w3 and any per-expert adapters (docs/lora.md).
+        for name, weight in list(self.experts.named_parameters(recurse=False)):
+            dt = distribute_tensor(weight.data, mesh, [Shard(0)])
+            setattr(self.experts, name, nn.Parameter(dt, weight.requires_grad))
         self.ep_mesh = mesh
         self.experts.grad_scale = 1.0 / mesh.size()
-        return [self.experts.w1, self.experts.w2, self.experts.w3]
+        return list(self.experts.parameters(recurse=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seqlen, dim = x.shape

@@ -21,6 +21,7 @@ __all__ = [
     "expert_matmul",
     "grouped_mm_supported",
     "grouped_mm_traceable",
+    "local_linear",
     "local_weight",
 ]
 
@@ -154,5 +155,13 @@ class SharedExpert(nn.Module):
         self.w3 = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (local_weight(m.weight, 1.0) for m in (self.w1, self.w2, self.w3))
-        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        h = F.silu(local_linear(self.w1, x)) * local_linear(self.w3, x)
+        return local_linear(self.w2, h)
+
+
+def local_linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``m(x)`` on local values: a module with ``local_forward`` (an adapter, docs/lora.md)
+    runs it, a plain ``nn.Linear`` multiplies by its local weight."""
+    fwd = getattr(m, "local_forward", None)
+    weight: torch.Tensor = m.weight  # type: ignore[assignment]
+    return fwd(x) if callable(fwd) else F.linear(x, local_weight(weight, 1.0))

@@ -1,0 +1,151 @@
+"""The adapter modules (docs/lora.md): :class:`LoRALinear`, an ``nn.Linear`` whose frozen
+``weight`` keeps its name (so TP/FSDP plans and checkpoints that name ``<module>.weight`` are
+unchanged) plus ``lora_A [r, in]`` and ``lora_B [out, r]``; and :class:`LoRAExperts`, grouped MoE
+experts with per-expert stacks ``lora_A_<w> [E, in, r]`` / ``lora_B_<w> [E, r, out]`` (our
+experts multiply rows by ``w[e]``, no transpose). The output is
+``base(x) + scaling * B(A(dropout(x)))`` with ``scaling = alpha / r`` (``alpha / sqrt(r)``:
+rsLoRA); adapters stay fp32 whatever the base's dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from torchtitan.models.common.moe_experts import Experts, expert_matmul, local_weight
+
+__all__ = ["ADAPTER_PREFIX", "LoRAExperts", "LoRALinear", "is_adapter_name", "lora_scaling"]
+
+ADAPTER_PREFIX = "lora_"
+
+
+def is_adapter_name(fqn: str) -> bool:
+    """Whether a parameter name (full or local) is an adapter's."""
+    return fqn.rsplit(".", 1)[-1].startswith(ADAPTER_PREFIX)
+
+
+def lora_scaling(rank: int, alpha: float, rslora: bool) -> float:
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def _dropout(p: float) -> nn.Module:
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for a plain weight or a torchao NF4 one (QLoRA: dequantized per call)."""
+    if type(w).__name__ == "NF4Tensor" or type(getattr(w, "data", None)).__name__ == "NF4Tensor":
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, w)
+    return F.linear(x, w)
+
+
+class LoRALinear(nn.Linear):
+    """A frozen linear projection plus a trainable low-rank update (no bias: our projections
+    have none)."""
+
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+    lora_dropout: nn.Module
+    rank: int
+    scaling: float
+
+    def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float) -> None:
+        nn.Module.__init__(self)
+        if base.bias is not None:
+            raise ValueError("LoRA adapters wrap bias-free projections only")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", None)
+        device = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=device))
+        self.lora_B = nn.Parameter(torch.empty(self.out_features, rank, device=device))
+        self.rank, self.scaling = rank, scaling
+        self.lora_dropout = _dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._compute(x, self.weight, self.lora_A, self.lora_B)
+
+    def local_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward on this rank's local values (replicated DTensors computed locally;
+        ``models/common/moe_experts.py: local_linear``)."""
+        return self._compute(x, *(local_weight(p) for p in (self.weight, self.lora_A, self.lora_B)))
+
+    def _compute(self, x: torch.Tensor, w: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        base = _linear(x, w)
+        delta = F.linear(F.linear(self.lora_dropout(x).to(a.dtype), a), b)
+        return base + (delta * self.scaling).to(base.dtype)
+
+    def adapt_parallel_style(self, style: ParallelStyle) -> ParallelStyle:
+        """The TP style for this module (``distributed/tensor_parallel.py``): a colwise
+        projection gets ``B`` colwise and ``A`` replicated, a rowwise one ``A`` rowwise and ``B``
+        replicated; the input/output layouts are the original style's."""
+        if isinstance(style, ColwiseParallel):
+            layout = {"weight": Shard(0), "lora_A": Replicate(), "lora_B": Shard(0)}
+        elif isinstance(style, RowwiseParallel):
+            layout = {"weight": Shard(1), "lora_A": Shard(1), "lora_B": Replicate()}
+        else:
+            return style
+        adapted = copy.copy(style)
+        adapted._partition_linear_fn = partial(_partition, layout)  # type: ignore[method-assign]
+        return adapted
+
+
+def _partition(layout: dict[str, Any], name: str, module: nn.Module, mesh: Any) -> None:
+    """Distribute this module's own parameters by ``layout``, keeping ``requires_grad``."""
+    for pname, p in list(module.named_parameters(recurse=False)):
+        if isinstance(p, DTensor):
+            continue
+        dt = distribute_tensor(p.data, mesh, [layout[pname]])
+        module.register_parameter(pname, nn.Parameter(dt, p.requires_grad))
+
+
+class LoRAExperts(Experts):
+    """Grouped experts with per-expert adapters on the projections named in ``adapted``."""
+
+    def __init__(
+        self, base: Experts, adapted: tuple[str, ...], rank: int, scaling: float, dropout: float
+    ) -> None:
+        nn.Module.__init__(self)
+        for name in ("w1", "w2", "w3"):
+            setattr(self, name, getattr(base, name))
+        self.use_grouped_mm, self.grad_scale = base.use_grouped_mm, base.grad_scale
+        self.adapted, self.rank, self.scaling = adapted, rank, scaling
+        for name in adapted:
+            w = getattr(self, name)
+            n, d_in, d_out = w.shape
+            a = torch.empty(n, d_in, rank, device=w.device)
+            b = torch.empty(n, rank, d_out, device=w.device)
+            self.register_parameter(f"lora_A_{name}", nn.Parameter(a))
+            self.register_parameter(f"lora_B_{name}", nn.Parameter(b))
+        self.lora_dropout = _dropout(dropout)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        grouped = self._grouped(x)
+        h = F.silu(self._proj(x, "w1", counts, grouped)) * self._proj(x, "w3", counts, grouped)
+        return self._proj(h, "w2", counts, grouped)
+
+    def _proj(self, x: torch.Tensor, name: str, counts: torch.Tensor, grouped: bool):
+        g = self.grad_scale  # expert parallel: 1 / ep on the way to every expert weight
+        y = expert_matmul(x, local_weight(getattr(self, name), g), counts, grouped)
+        if name not in self.adapted:
+            return y
+        a = local_weight(getattr(self, f"lora_A_{name}"), g)
+        b = local_weight(getattr(self, f"lora_B_{name}"), g)
+        h = expert_matmul(self.lora_dropout(x).to(a.dtype), a, counts, grouped)
+        return y + (expert_matmul(h, b, counts, grouped) * self.scaling).to(y.dtype)
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        if not super()._grouped(x):
+            return False
+        # grouped_mm needs 16-byte row strides: the rank must allow it too.
+        return self.use_grouped_mm is not None or (self.rank * 4) % 16 == 0

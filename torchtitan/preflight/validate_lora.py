@@ -1,0 +1,97 @@
+"""The ``[lora]`` rules (docs/lora.md; part of ``validate_config``): the target patterns must
+name adaptable modules of the model (checked on a ``meta`` build), and the combinations not
+built are refused with the reason: QLoRA's NF4 base in a parallel layout, adapters with float8
+linears, a DCP ``initial_load_path`` (checkpoints hold adapters only, so the base must come from
+Hugging Face or the seed), and adapters on the output head under the chunked loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig, Lora
+from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.lora.apply import apply_lora
+from torchtitan.lora.layers import LoRALinear
+from torchtitan.lora.qlora import nf4_problem
+from torchtitan.models import MODELS
+
+__all__ = ["validate_lora"]
+
+
+def validate_lora(cfg: JobConfig, dims: ParallelDims) -> None:
+    lo = cfg.lora
+    if not lo.enable:
+        return
+    if not lo.target_modules:
+        raise ConfigError(
+            "lora.target_modules", lo.target_modules, "must name at least one module", _FIX
+        )
+    if cfg.quantize.dense.float8.enable:
+        raise ConfigError(
+            "lora.enable",
+            True,
+            "adapters are not built on float8 linears",
+            "remove --quantize.dense.float8.enable",
+        )
+    ck = cfg.checkpoint
+    if ck.initial_load_path and not ck.initial_load_in_hf:
+        raise ConfigError(
+            "checkpoint.initial_load_path",
+            ck.initial_load_path,
+            "with lora.enable the base must be a Hugging Face folder (checkpoints hold adapters)",
+            "add --checkpoint.initial_load_in_hf (export a DCP base with scripts/convert_to_hf.py)",
+        )
+    if lo.quantize_base == "nf4" and dims.world_size > 1:
+        raise ConfigError(
+            "lora.quantize_base",
+            "nf4",
+            f"the NF4 base runs in one process (world size {dims.world_size})",
+            "use quantize_base = none for parallel LoRA, or one process",
+        )
+    folder = Path(lo.adapter_path) if lo.adapter_path else None
+    if folder is not None and not (folder / "adapter_config.json").is_file():
+        raise ConfigError(
+            "lora.adapter_path",
+            lo.adapter_path,
+            "must be a PEFT folder holding adapter_config.json",
+            "point it at a folder written by scripts/export_lora.py or PEFT's save_pretrained",
+        )
+    _check_targets(cfg, lo)
+
+
+_FIX = "use e.g. attention.wq,attention.wv or feed_forward.experts (docs/lora.md)"
+
+
+def _check_targets(cfg: JobConfig, lo: Lora) -> None:
+    spec = MODELS[cfg.model.name]
+    args = spec.flavors[cfg.model.flavor]  # the shapes decide what matches
+    with torch.device("meta"):
+        model = spec.build(args)
+    try:
+        adapted = apply_lora(model, lo)
+    except ValueError as e:
+        raise ConfigError("lora.target_modules", lo.target_modules, str(e), _FIX) from None
+    output = spec.parallel_plan(args).tensor_parallel.output
+    if cfg.training.loss_chunk_size > 0 and output in adapted:
+        raise ConfigError(
+            "lora.target_modules",
+            lo.target_modules,
+            f"{output} is applied chunk by chunk by the chunked loss, without its adapter",
+            "leave the output head out, or set training.loss_chunk_size = 0",
+        )
+    if lo.quantize_base == "nf4":
+        for name in adapted:
+            module = model.get_submodule(name)
+            if not isinstance(module, LoRALinear):
+                raise ConfigError(
+                    "lora.quantize_base",
+                    "nf4",
+                    f"{name}: grouped experts have no NF4 form here",
+                    _FIX,
+                )
+            problem = nf4_problem(tuple(module.weight.shape))
+            if problem is not None:
+                raise ConfigError("lora.quantize_base", "nf4", f"{name}: {problem}", _FIX)
