@@ -55,8 +55,10 @@ def tiny_hf_cases() -> dict[str, tuple[str, Any]]:
         moe_layers=(0, 2),
     )
     return {
-        "llama3": ("llama3", tiny_llama3(multiple_of=64, rope_scaling_factor=8.0,
-                                         rope_original_max_seq_len=32)),
+        "llama3": (
+            "llama3",
+            tiny_llama3(multiple_of=64, rope_scaling_factor=8.0, rope_original_max_seq_len=32),
+        ),
         "qwen3": ("qwen3", tiny_qwen3()),
         "qwen3-moe": ("qwen3", moe),
     }

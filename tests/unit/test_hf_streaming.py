@@ -107,6 +107,7 @@ def _fused(hf: dict[str, torch.Tensor], n_experts: int) -> dict[str, torch.Tenso
     out = {k: v for k, v in hf.items() if ".mlp.experts." not in k}
     layers = {k.split(".mlp.experts.")[0] for k in hf if ".mlp.experts." in k}
     for p in layers:
+
         def stack(proj: str, p: str = p) -> torch.Tensor:
             return torch.stack([hf[f"{p}.mlp.experts.{e}.{proj}.weight"] for e in range(n_experts)])
 
@@ -135,7 +136,6 @@ def test_any_box_reads_only_its_bytes_and_equals_the_full_conversion(case: str) 
                 before = source.bytes_read
                 got = adapter.from_hf_box(key, tuple(w.shape), tuple(box), source)
                 assert torch.equal(got.to(w.dtype), w[tuple(box)]), (key, box)
-                read = source.bytes_read - before
                 # RoPE rows: the whole heads the box touches (at most 2 more heads' rows of
                 # the box's columns); everything else: exactly the box.
                 rope = key.endswith(("wq.weight", "wk.weight", "q_norm.weight", "k_norm.weight"))

@@ -70,7 +70,7 @@ class SafetensorsFolder:
             files = sorted(folder.glob("*.safetensors"))
             if not files:
                 raise FileNotFoundError(f"{folder} holds no *.safetensors files")
-            self._where = {k: f for f in files for k in self._open_file(f).keys()}
+            self._where = {k: f for f in files for k in self._open_file(f).keys()}  # noqa: SIM118
         self._handles: dict[Path, Any] = {}
         self.bytes_read = 0
 
@@ -88,6 +88,10 @@ class SafetensorsFolder:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self._slice(name).get_dtype()
+        return next(d for d, c in _DTYPES.items() if c == code)
 
     def read(self, name: str, box: Box) -> torch.Tensor:
         t: torch.Tensor = self._slice(name)[box]
@@ -146,13 +150,19 @@ def load_hf_streaming(
 ) -> Progress:
     """Fill the (possibly sharded) parameters of ``parts`` from the Hugging Face ``folder``,
     each rank reading only the bytes of its boxes; returns this rank's byte count and time."""
+    return load_hf_state_dict(model_state_dict(parts), adapter, folder, verbose)
+
+
+def load_hf_state_dict(
+    sd: dict[str, torch.Tensor], adapter: Any, folder: Path, verbose: bool = False
+) -> Progress:
+    """Fill the tensors of ``sd`` (our names; DTensors or plain) in place from ``folder``."""
     source = SafetensorsFolder(folder)
     # A tied head shares the embedding's storage: read once.
     unique: dict[tuple[int, tuple[int, ...]], tuple[str, torch.Tensor]] = {}
-    for part in parts:
-        for key, t in model_state_dict([part]).items():
-            local = owned_box(t)[2]
-            unique.setdefault((local.data_ptr(), tuple(local.shape)), (key, t))
+    for key, t in sd.items():
+        local = owned_box(t)[2]
+        unique.setdefault((local.data_ptr(), tuple(local.shape)), (key, t))
     total = sum(owned_box(t)[2].nbytes for _, t in unique.values())
     progress = Progress("import", total, verbose)
     try:
@@ -194,17 +204,19 @@ class SafetensorsWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         self.path, self._order = path, [(n, d, s) for n, d, s in entries]
-        self._file = open(path, "wb")
+        self._file = open(path, "wb")  # noqa: SIM115 - closed by close()
         self._file.write(struct.pack("<Q", len(raw)) + raw)
         self._next = 0
 
     def write(self, name: str, t: torch.Tensor) -> int:
         want, dtype, shape = self._order[self._next]
         if (name, t.dtype, tuple(t.shape)) != (want, dtype, shape):
-            raise RuntimeError(f"{self.path.name}: got {name} {t.dtype} {tuple(t.shape)}, "
-                               f"planned {want} {dtype} {shape}")
+            raise RuntimeError(
+                f"{self.path.name}: got {name} {t.dtype} {tuple(t.shape)}, "
+                f"planned {want} {dtype} {shape}"
+            )
         data = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(data.numpy()))
+        self._file.write(data.numpy().data)
         self._next += 1
         return data.numel()
 
@@ -262,7 +274,7 @@ def save_hf_streaming(
     gathering the model anywhere; returns this rank's bytes written and time."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     held = _gather(list(sd), group)
-    writer_of = {}
+    writer_of: dict[str, int] = {}
     for r, names in enumerate(held):
         for name in names:
             writer_of.setdefault(name, r)

@@ -26,7 +26,6 @@ import torch
 
 from torchtitan.models.common.hf.config import HFConfig
 
-
 Box = tuple[slice, ...]
 """A block of a tensor: one ``slice(start, stop)`` (step 1) per dimension."""
 ReadBox = Callable[[Box], torch.Tensor]
