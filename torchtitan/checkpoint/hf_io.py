@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,11 +275,7 @@ def save_hf_streaming(
     rank holding them) as a sharded Hugging Face folder ``out`` plus ``config.json``, without
     gathering the model anywhere; returns this rank's bytes written and time."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
-    held = _gather(list(sd), group)
-    writer_of: dict[str, int] = {}
-    for r, names in enumerate(held):
-        for name in names:
-            writer_of.setdefault(name, r)
+    writer_of = _assign_writers(_gather([(k, t.numel()) for k, t in sd.items()], group))
     mine = [k for k in sd if writer_of[k] == rank]
     planned = [
         (hf, dtype or sd[k].dtype, tuple(w.shape))
@@ -298,26 +296,70 @@ def save_hf_streaming(
     if dist.is_initialized():
         dist.barrier(group=group)
     progress = Progress("export", sizes[rank], verbose)
-    writers = iter([(out / n, f) for n, f in zip(names, files)])
-    current: SafetensorsWriter | None = None
-    for key, t in sd.items():
-        if adapter.exports_nothing(key):
-            continue
-        full = t.full_tensor() if isinstance(t, DTensor) else t
-        if writer_of[key] != rank:
-            continue
-        for hf, w in adapter.to_hf_one(key, full):
-            if current is None or current.complete:
-                if current is not None:
-                    current.close()
-                path, entries = next(writers)
-                current = SafetensorsWriter(path, entries)
-            progress.add(current.write(hf, w.to(dtype) if dtype is not None else w))
-    if current is not None:
-        current.close()
+    # A background thread writes while the next tensor is gathered; the queue holds one tensor.
+    pending: queue.Queue[tuple[str, torch.Tensor] | None] = queue.Queue(maxsize=1)
+    writer = threading.Thread(
+        target=_write_files, args=(pending, [(out / n, f) for n, f in zip(names, files)], progress)
+    )
+    writer.start()
+    try:
+        for key, t in sd.items():
+            if adapter.exports_nothing(key):
+                continue
+            full = t.full_tensor() if isinstance(t, DTensor) else t
+            if writer_of[key] == rank:
+                for hf, w in adapter.to_hf_one(key, full):
+                    pending.put((hf, w.to(dtype) if dtype is not None else w))
+    finally:
+        pending.put(None)
+        writer.join()
+    if progress.done != sizes[rank]:
+        raise RuntimeError(f"export: wrote {progress.done} bytes of {sizes[rank]} (see above)")
     if dist.is_initialized():
         dist.barrier(group=group)
     return progress
+
+
+def _assign_writers(held: list[list[tuple[str, int]]]) -> dict[str, int]:
+    """Each name to one rank holding it, balancing the elements each rank writes (the same
+    answer on every rank: it is computed from the gathered lists)."""
+    holders: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for r, names in enumerate(held):
+        for name, n in names:
+            holders.setdefault(name, []).append(r)
+            sizes[name] = n
+    load = [0] * len(held)
+    writer_of: dict[str, int] = {}
+    for name, ranks in holders.items():
+        writer_of[name] = min(ranks, key=lambda r: (load[r], r))
+        load[writer_of[name]] += sizes[name]
+    return writer_of
+
+
+def _write_files(
+    pending: queue.Queue[tuple[str, torch.Tensor] | None],
+    files: list[tuple[Path, list[tuple[str, torch.dtype, tuple[int, ...]]]]],
+    progress: Progress,
+) -> None:
+    """The writer thread: fills the planned files in order from ``pending`` until None."""
+    todo = iter(files)
+    current: SafetensorsWriter | None = None
+    error: BaseException | None = None
+    while (item := pending.get()) is not None:
+        if error is not None:
+            continue  # drain, so the producer never blocks; reported by the byte count
+        try:
+            if current is None or current.complete:
+                if current is not None:
+                    current.close()
+                current = SafetensorsWriter(*next(todo))
+            progress.add(current.write(*item))
+        except BaseException as e:  # noqa: BLE001 - logged; the caller checks the bytes
+            logger.error(f"export: writing {item[0]} failed: {e!r}")
+            error = e
+    if current is not None:
+        current.close()
 
 
 def _write_index(out: Path, weight_maps: list[dict[str, str]], total: int) -> None:
