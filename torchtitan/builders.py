@@ -30,6 +30,7 @@ from torchtitan.loss.cross_entropy import cross_entropy_sum
 from torchtitan.metrics.processor import MetricsProcessor
 from torchtitan.metrics.writers import MetricWriter, build_writers
 from torchtitan.models.spec import ModelSpec, TrainableModel
+from torchtitan.tools import startup
 from torchtitan.tools.device_memory import DeviceMemoryMonitor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_monitor import MemoryMonitor
@@ -102,6 +103,7 @@ def build_meta_model(
     with torch.device("meta"):
         model = spec.build(args)
     logger.info(f"model {cfg.model.name} {cfg.model.flavor}: {spec.num_params(args):,} parameters")
+    startup.mark("meta build")
     f8 = cfg.quantize.dense.float8
     if f8.enable:
         apply_float8(
@@ -138,12 +140,32 @@ def build_model_parts(
             for i in pp_plan.stage_ids(pp_rank)
         ]
     parts = [parallelize(part, plan, dims, cfg, *dtypes) for part in parts]
+    startup.mark("parallelize")
+    # With checkpointing on, the weights are initialised after the load, only if nothing was
+    # loaded (the trainer calls init_model_weights): a load would overwrite them.
+    defer = cfg.checkpoint.enable and not cfg.checkpoint.create_seed_checkpoint
     for part in parts:
         # Under FSDP CPU offload the parameter shards live on the host (docs/memory.md).
         part.to_empty(device="cpu" if cfg.parallelism.fsdp_cpu_offload else device)
-        cast(TrainableModel, part).init_weights(seed=cfg.debug.seed, buffer_device=device)
+        init_buffers = getattr(part, "init_buffers", None)
+        if defer and init_buffers is not None:
+            init_buffers(device)
+        else:
+            cast(TrainableModel, part).init_weights(seed=cfg.debug.seed, buffer_device=device)
         part.train()
+    startup.mark("materialize" if defer else "materialize, init weights")
     return parts
+
+
+def init_model_weights(cfg: JobConfig, parts: list[nn.Module], device: torch.device) -> None:
+    """The seeded initial weights of the parts whose initialisation was deferred (every part
+    that has ``init_buffers``; the others were initialised already)."""
+    if not cfg.checkpoint.enable or cfg.checkpoint.create_seed_checkpoint:
+        return
+    for part in parts:
+        if getattr(part, "init_buffers", None) is not None:
+            cast(TrainableModel, part).init_weights(seed=cfg.debug.seed, buffer_device=device)
+    startup.mark("init weights")
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:

@@ -14,11 +14,13 @@ from torchtitan.guards.spikes import TrainingAborted
 from torchtitan.launch import report_stop
 from torchtitan.plan.explain import explain
 from torchtitan.preflight.validate import load_config, world_size_from_env
+from torchtitan.tools import startup
 from torchtitan.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    startup.mark("imports")
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
@@ -26,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(argv)  # parse and validate, before any process group
     except ConfigError as e:
         return config_error(e)
+    startup.mark("preflight")
     if cfg.job.explain:  # the preflight plan, then exit: no process group, no training
         if int(os.environ.get("RANK", "0")) == 0:
             print(explain(cfg, world_size_from_env()))

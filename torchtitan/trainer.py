@@ -25,6 +25,7 @@ from torchtitan.builders import (
     build_profiling,
     build_rank_dataloader,
     build_validator,
+    init_model_weights,
     peak_flops,
 )
 from torchtitan.checkpoint.manager import CheckpointManager
@@ -47,6 +48,7 @@ from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
 from torchtitan.optim.lr_scheduler import build_lr_scheduler
 from torchtitan.optim.optimizer import build_optimizer
 from torchtitan.preflight.validate import pipeline_plan
+from torchtitan.tools import startup
 from torchtitan.tools.fault_injection import parse_faults
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.watchdog import Watchdog, configure_flight_recorder
@@ -60,10 +62,13 @@ class Trainer:
         """Build in order; the config was validated before we got here."""
         self.cfg = cfg
         self._init_distributed()  # process group, mesh, pipeline plan, log prefix, seeds
+        startup.mark("process group")
         self._build_data()  # tokenizer, data loader, batch plan
+        startup.mark("data")
         self._build_model()  # meta model, converters, parallelisms, weights, pipeline, CP
         self._build_optimizer()  # optimizer and LR schedule
         self._build_observability()  # metrics, non-finite guard, validation, profiler
+        startup.mark("optimizer, metrics")
         self._build_checkpointer()  # resume from the newest valid checkpoint
         self._build_step()  # one training step, given every collaborator it uses
         logger.info(
@@ -310,8 +315,11 @@ class Trainer:
             self.dataloader,
         )
         resumed = self.checkpointer.load()
+        startup.mark("checkpoint load")
         if resumed is not None:
             self.step = resumed["step"]
+        if not self.checkpointer.model_loaded:  # initialised only when nothing was loaded
+            init_model_weights(self.cfg, self.model_parts, self.device)
 
     def _build_step(self) -> None:
         self.steps = TrainStep(
@@ -378,6 +386,8 @@ class Trainer:
                     logger.info(f"stopping after step {self.step} (preemption signal)")
                     break
             if self.step == 1:
+                startup.mark("first step")
+                logger.info(startup.report())  # docs/performance.md, "Time to first step"
                 dist_utils.set_pg_timeouts(
                     cfg.comm.train_timeout_seconds, self.parallel_dims.world_mesh
                 )

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchtitan.checkpoint.state import model_state_dict
@@ -100,8 +100,13 @@ class SafetensorsFolder:
         self.bytes_read += t.numel() * t.element_size()
         return t
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Close the files: ``safe_open`` maps a file, and every page read from it counts in
+        this process's RSS while it stays mapped; releasing after each tensor keeps the peak at
+        the shard plus one tensor (docs/hf_io.md)."""
         self._handles.clear()
+
+    close = release
 
 
 def owned_box(t: torch.Tensor) -> tuple[tuple[int, ...], Box, torch.Tensor]:
@@ -160,17 +165,24 @@ def load_hf_state_dict(
 ) -> Progress:
     """Fill the tensors of ``sd`` (our names; DTensors or plain) in place from ``folder``."""
     source = SafetensorsFolder(folder)
-    # A tied head shares the embedding's storage: read once.
+    # A tied head shares the embedding's storage (read once), or is a copy of its box.
     unique: dict[tuple[int, tuple[int, ...]], tuple[str, torch.Tensor]] = {}
     for key, t in sd.items():
         local = owned_box(t)[2]
         unique.setdefault((local.data_ptr(), tuple(local.shape)), (key, t))
     total = sum(owned_box(t)[2].nbytes for _, t in unique.values())
     progress = Progress("import", total, verbose)
+    done: dict[str, torch.Tensor] = {}
     try:
         with torch.no_grad():
             for key, t in unique.values():
-                load_one(adapter, source, key, t)
+                same = done.get(adapter.tied_to(key) or "")
+                if same is not None and owned_box(same)[1] == owned_box(t)[1]:
+                    owned_box(t)[2].copy_(owned_box(same)[2])
+                else:
+                    load_one(adapter, source, key, t)
+                    source.release()
+                done[key] = t
                 progress.add(owned_box(t)[2].nbytes)
     finally:
         progress.done = source.bytes_read
@@ -306,8 +318,8 @@ def save_hf_streaming(
         for key, t in sd.items():
             if adapter.exports_nothing(key):
                 continue
-            full = t.full_tensor() if isinstance(t, DTensor) else t
-            if writer_of[key] == rank:
+            full = _assemble(t, writer_of[key])
+            if full is not None:
                 for hf, w in adapter.to_hf_one(key, full):
                     pending.put((hf, w.to(dtype) if dtype is not None else w))
     finally:
@@ -318,6 +330,29 @@ def save_hf_streaming(
     if dist.is_initialized():
         dist.barrier(group=group)
     return progress
+
+
+def _assemble(t: torch.Tensor, writer: int) -> torch.Tensor | None:
+    """The full tensor on the rank ``writer`` (None elsewhere): gathered to it alone when
+    ``t`` is ``Shard(0)`` on a 1-D mesh (FSDP's and the converter's layout), else by
+    ``full_tensor`` (every holder assembles it; the others drop it)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not isinstance(t, DTensor):
+        return t if rank == writer else None
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or type(t.placements[0]) is not Shard or t.placements[0].dim != 0:
+        full = t.full_tensor()
+        return full if rank == writer else None
+    n, rows = mesh.size(), t.shape[0]
+    chunk = -(-rows // n)
+    _, box, local = owned_box(t)
+    if box[0].start != min(mesh.get_local_rank() * chunk, rows):
+        raise RuntimeError(f"unexpected Shard(0) layout: rows {box[0]} of {rows}")
+    padded = local.new_zeros((chunk, *t.shape[1:]))
+    padded[: local.shape[0]] = local
+    chunks = [torch.empty_like(padded) for _ in range(n)] if rank == writer else None
+    dist.gather(padded, chunks, dst=writer, group=mesh.get_group())
+    return torch.cat(chunks)[:rows] if chunks is not None else None
 
 
 def _assign_writers(held: list[list[tuple[str, int]]]) -> dict[str, int]:

@@ -163,6 +163,7 @@ class CheckpointManager:
             else None
         )
         self._signal: int | None = None
+        self.model_loaded = False  # by load(): the trainer initialises the weights otherwise
         self.last_save_blocking_s = 0.0
         self._old_handlers = {
             sig: signal.signal(sig, self._on_signal) for sig in PREEMPTION_SIGNALS
@@ -312,6 +313,7 @@ class CheckpointManager:
         )
         if "model" in sd:
             load_model_state_dict(self.model_parts, sd["model"])
+            self.model_loaded = True
         if "optimizer" in sd:
             # ``param_groups`` holds no tensors, so DCP stores one copy of it (one rank's). Under
             # PP each rank's groups list only its own stages' parameters: keep this rank's
@@ -353,6 +355,7 @@ class CheckpointManager:
         if self.hf_adapter is None:
             raise RuntimeError("checkpoint.initial_load_in_hf: this model has no HF adapter")
         progress = hf_io.load_hf_streaming(self.model_parts, self.hf_adapter, folder)
+        self.model_loaded = True
         hf_io.log_rate("initial weights from Hugging Face", progress, folder)
 
     # ------------------------------------------------------------ save

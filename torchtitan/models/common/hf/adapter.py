@@ -73,6 +73,10 @@ class StateDictAdapter:
         prefix = f"{m.layers[1]}.{found.group(1)}."
         return [(prefix + k, v) for k, v in self._layer_to_hf(key, found.group(2), w, check)]
 
+    def tied_to(self, key: str) -> str | None:
+        """The embedding's name for the tied head (the same values), else None."""
+        return self.mapping.tied[1] if self.exports_nothing(key) else None
+
     def exports_nothing(self, key: str) -> bool:
         """True for the tied head (HF stores the shared matrix once, under the embedding)."""
         return self._tied and key == self.mapping.tied[0]
