@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import resource
@@ -100,11 +101,14 @@ def write_synthetic(flavor: str, out: Path, max_shard_bytes: int) -> tuple[Any, 
     files = hf_io._plan_files(planned, max_shard_bytes)
     names = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     out.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(0)
+    # a random 1M-value block tiled: random-looking bytes at disk speed (randn of a billion
+    # values on one core takes minutes)
+    block = (torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
     for name, entries in zip(names, files):
         writer = hf_io.SafetensorsWriter(out / name, entries)
         for hf, dtype, shape in entries:
-            writer.write(hf, (torch.randn(shape, generator=gen) * 0.02).to(dtype))
+            n = math.prod(shape)
+            writer.write(hf, block.repeat(-(-n // block.numel()))[:n].view(shape).to(dtype))
         writer.close()
     total = sum(hf_io._nbytes(d, s) for _, d, s in planned)
     hf_io._write_index(out, [{e[0]: n for f, n in zip(files, names) for e in f}], total)
