@@ -368,6 +368,8 @@ class Trainer:
             if self.metrics.should_log(self.step):
                 self._phase("metrics log (cross-rank all-reduce)")
                 self.metrics.log(self.step, lr)
+            if (first := startup.first_step()) is not None:  # docs/performance.md
+                logger.info(first)
             if self.validator is not None and self.validator.should_validate(self.step):
                 self._phase("validation")
                 start = time.perf_counter()
@@ -386,8 +388,6 @@ class Trainer:
                     logger.info(f"stopping after step {self.step} (preemption signal)")
                     break
             if self.step == 1:
-                startup.mark("first step")
-                logger.info(startup.report())  # docs/performance.md, "Time to first step"
                 dist_utils.set_pg_timeouts(
                     cfg.comm.train_timeout_seconds, self.parallel_dims.world_mesh
                 )

@@ -53,6 +53,15 @@ def compile_seconds() -> float:
     return float(sum(compilation_time_metrics.get("_compile.compile_inner", [])))
 
 
+def first_step() -> str | None:
+    """At the end of this process's first step (fresh or resumed): ``mark("first step")`` and
+    the report, once; None afterwards."""
+    if any(name == "first step" for name, _ in _marks):
+        return None
+    mark("first step")
+    return report()
+
+
 def report() -> str:
     total = sum(s for _, s in _marks)
     parts = ", ".join(f"{name} {s:.2f}" for name, s in _marks)
