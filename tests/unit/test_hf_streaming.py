@@ -142,3 +142,35 @@ def test_any_box_reads_only_its_bytes_and_equals_the_full_conversion(case: str) 
                 cols = got[0].numel() if got.dim() > 1 and got.shape[0] else 1
                 extra = 2 * args.head_dim * cols * w.element_size() if rope else 0
                 assert source.bytes_read - before <= got.nbytes + extra, (key, box)
+
+
+class _WholeOnly:
+    """A transform declaring no slicing (only ``to_hf``/``from_hf``)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def to_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor:
+        return self.inner.to_hf(w, args)
+
+    def from_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor:
+        return self.inner.from_hf(w, args)
+
+
+def test_a_transform_without_slicing_reads_its_whole_tensor() -> None:
+    import dataclasses
+
+    from torchtitan.models.common.hf import RopeRows, StateDictAdapter
+    from torchtitan.models.llama3.hf import LLAMA3_HF
+
+    _, args = CASES["llama3"]
+    mapping = dataclasses.replace(
+        LLAMA3_HF, transforms={"attention.wq.weight": _WholeOnly(RopeRows("n_heads"))}
+    )
+    adapter = StateDictAdapter(mapping, args)
+    sd = dict(model_of("llama3", seed=4).state_dict())
+    source = DictSource(adapter.to_hf(sd))
+    w = sd["layers.1.attention.wq.weight"]
+    box = (slice(5, 40), slice(3, 9))
+    got = adapter.from_hf_box("layers.1.attention.wq.weight", tuple(w.shape), box, source)
+    assert torch.equal(got, w[box]) and source.bytes_read == w.nbytes

@@ -158,6 +158,10 @@ class StateDictAdapter:
         transform = m.transforms.get(name)
         if transform is None:
             return source.read(hf_name, box)
+        if getattr(transform, "from_hf_box", None) is None:
+            # A transform that says nothing about slices: its whole tensor, then the box.
+            whole = tuple(slice(0, n) for n in source.shape(hf_name))
+            return transform.from_hf(source.read(hf_name, whole), self.args)[box]
         return transform.from_hf_box(lambda b: source.read(hf_name, b), box, shape, self.args)
 
     def _add_ours_only(self, out: dict[str, torch.Tensor]) -> None:

@@ -51,7 +51,8 @@ def box_shape(box: Box) -> tuple[int, ...]:
 class TensorTransform(Protocol):
     """A per-tensor layout change: ``from_hf(to_hf(w, args), args)`` equals ``w``, and
     ``from_hf_box(read, box, shape, args)`` equals ``from_hf(full, args)[box]`` where ``read``
-    reads boxes of the HF tensor ``full`` (of our tensor's ``shape``)."""
+    reads boxes of the HF tensor ``full`` (of our tensor's ``shape``). A transform without
+    ``from_hf_box`` still streams: its whole tensor is read, converted, then cut."""
 
     def to_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor: ...
 
