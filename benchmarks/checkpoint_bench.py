@@ -1,6 +1,7 @@
 """Checkpoint save/load times and async overlap, one process, CPU or GPU.
 
     python benchmarks/checkpoint_bench.py [--flavors debug,large] [--steps 4] [--repeat 3]
+    python benchmarks/checkpoint_bench.py --flavors "" --dcp-flavor 1B [--dcp-threads 1,2]
 
 For each model (``debug``: the debug model; ``large``: the same with dim 1024 and 8 layers)
 it builds the model and AdamW state, then measures with the real CheckpointManager:
@@ -19,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -140,6 +142,61 @@ def bench(name: str, steps: int, repeat: int, seq_len: int = 64, batch: int = 4)
     }
 
 
+def dcp_vs_disk(flavor: str, folder: Path, threads: int) -> dict:
+    """Model-only DCP save and load of a llama3 ``flavor`` in bf16 (one process) against the
+    disk's sequential bandwidth measured here on a file of the same size (benchmarks/hf_io.py:
+    fsync, then the pages evicted so the read comes from the disk); plus the manifest's
+    SHA-256 pass (save) and verification (load) the CheckpointManager adds."""
+    import math
+
+    import torch.distributed.checkpoint as dcp
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.hf_io import disk_bandwidth, evict
+    from torchtitan.checkpoint import storage
+    from torchtitan.models import MODELS
+
+    spec = MODELS["llama3"]
+    with torch.device("meta"):
+        shapes = {
+            k: tuple(v.shape) for k, v in spec.build(spec.flavors[flavor]).state_dict().items()
+        }
+    block = torch.randn(1 << 20).bfloat16()
+    sd = {}
+    for k, shape in shapes.items():
+        n = math.prod(shape)
+        sd[k] = block.repeat(-(-n // block.numel()))[:n].view(shape).clone()
+    nbytes = sum(t.nbytes for t in sd.values())
+    disk = disk_bandwidth(folder, nbytes)
+    out = folder / "dcp"
+    writer = dcp.FileSystemWriter(str(out), thread_count=threads, sync_files=True)
+    t0 = time.perf_counter()
+    dcp.save({"model": sd}, storage_writer=writer, no_dist=True)
+    save_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    storage.digest_files(out, None)
+    digest_s = time.perf_counter() - t0
+    for f in out.iterdir():
+        evict(f)
+    back = {k: torch.empty_like(v) for k, v in sd.items()}
+    t0 = time.perf_counter()
+    dcp.load({"model": back}, storage_reader=dcp.FileSystemReader(str(out)), no_dist=True)
+    load_s = time.perf_counter() - t0
+    shutil.rmtree(out)
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    return {
+        "flavor": flavor,
+        "GB": round(nbytes / 1e9, 3),
+        "threads": threads,
+        **{k: round(v, 3) for k, v in disk.items()},
+        "dcp_save_GBps": round(nbytes / save_s / 1e9, 3),
+        "dcp_save_vs_disk_write": round(nbytes / save_s / 1e9 / disk["disk_write_GBps"], 2),
+        "dcp_load_cold_GBps": round(nbytes / load_s / 1e9, 3),
+        "dcp_load_vs_disk_read": round(nbytes / load_s / 1e9 / disk["disk_read_GBps"], 2),
+        "manifest_sha256_GBps": round(nbytes / digest_s / 1e9, 3),
+    }
+
+
 def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -149,14 +206,20 @@ def main() -> int:
     p.add_argument("--flavors", default="debug,large")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dcp-flavor", default="", help="also: DCP vs disk for this llama3 flavor")
+    p.add_argument("--dcp-threads", default="1,2", help="FileSystemWriter thread counts")
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     a = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     try:
         print(json.dumps({"uptime_start": _uptime()}), flush=True)
-        for name in a.flavors.split(","):
+        for name in filter(None, a.flavors.split(",")):
             print(json.dumps(bench(name, a.steps, a.repeat)), flush=True)
+        for threads in map(int, a.dcp_threads.split(",") if a.dcp_flavor else []):
+            with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
+                print(json.dumps(dcp_vs_disk(a.dcp_flavor, Path(tmp), threads)), flush=True)
         print(json.dumps({"uptime_end": _uptime()}), flush=True)
     finally:
         torch.distributed.destroy_process_group()

@@ -100,3 +100,30 @@ def tiny_deepseek_v3(**extra: Any) -> DeepSeekV3Args:
     )
     shape.update(extra)
     return DeepSeekV3Args(**shape)
+
+
+def tiny_hf_cases() -> dict[str, tuple[str, Any]]:
+    """One tiny flavor per Hugging Face layout of every family in ``MODELS``: case id ->
+    (family name, args). GQA, RoPE scaling, QK-norms, tied and untied heads, dense and MoE
+    layers mixed (layer 1 dense): every mapping of ``models/common/hf/`` is exercised."""
+    import dataclasses
+
+    from torchtitan.models.common.moe import MoEArgs
+
+    moe = dataclasses.replace(
+        tiny_qwen3(),
+        n_layers=3,
+        tie_word_embeddings=False,
+        moe=MoEArgs(num_experts=8, top_k=2, expert_dim=32),
+        moe_layers=(0, 2),
+    )
+    return {
+        "llama3": (
+            "llama3",
+            tiny_llama3(multiple_of=64, rope_scaling_factor=8.0, rope_original_max_seq_len=32),
+        ),
+        "qwen3": ("qwen3", tiny_qwen3()),
+        "qwen3-moe": ("qwen3", moe),
+        "gpt_oss": ("gpt_oss", tiny_gpt_oss()),
+        "deepseek_v3": ("deepseek_v3", tiny_deepseek_v3()),
+    }

@@ -34,6 +34,7 @@ from torchtitan.loss.cross_entropy import cross_entropy_sum
 from torchtitan.metrics.processor import MetricsProcessor
 from torchtitan.metrics.writers import MetricWriter, build_writers
 from torchtitan.models.spec import ModelSpec, TrainableModel
+from torchtitan.tools import startup
 from torchtitan.tools.device_memory import DeviceMemoryMonitor
 from torchtitan.tools.logging import logger
 from torchtitan.tools.memory_monitor import MemoryMonitor
@@ -106,6 +107,7 @@ def build_meta_model(
     with torch.device("meta"):
         model = spec.build(args)
     logger.info(f"model {cfg.model.name} {cfg.model.flavor}: {spec.num_params(args):,} parameters")
+    startup.mark("meta build")
     f8 = cfg.quantize.dense.float8
     if f8.enable:
         apply_float8(
@@ -145,16 +147,23 @@ def build_model_parts(
             for i in pp_plan.stage_ids(pp_rank)
         ]
     parts = [parallelize(part, plan, dims, cfg, *dtypes) for part in parts]
+    startup.mark("parallelize")
+    defer = defers_init(cfg)  # then the trainer calls init_model_weights after the load
     for part in parts:
         # Under FSDP CPU offload the parameter shards live on the host (docs/memory.md).
         part.to_empty(device="cpu" if cfg.parallelism.fsdp_cpu_offload else device)
-        init_part(part, cfg.debug.seed, device, cfg.lora.enable)
+        init_buffers = getattr(part, "init_buffers", None)
+        if defer and init_buffers is not None:
+            init_buffers(device)
+        else:
+            init_part(part, cfg.debug.seed, device, cfg.lora.enable)
         if cfg.lora.enable and cfg.lora.adapter_path:
             n = load_into(
                 part, Path(cfg.lora.adapter_path), spec.state_dict_adapter(args), cfg.lora
             )
             logger.info(f"lora: {n} adapter tensors from {cfg.lora.adapter_path}")
         part.train()
+    startup.mark("materialize" if defer else "materialize, init weights")
     return parts
 
 
@@ -169,6 +178,25 @@ def init_part(part: nn.Module, seed: int, device: torch.device, lora: bool) -> N
         cast(TrainableModel, part).init_weights(seed=seed, buffer_device=device)
     init_adapters(part, seed)
     part.checkpoint_keys = is_adapter_name  # type: ignore[assignment]
+
+
+def init_model_weights(cfg: JobConfig, parts: list[nn.Module], device: torch.device) -> None:
+    """The seeded initial weights of the parts whose initialisation was deferred (every part
+    that has ``init_buffers``; the others were initialised already)."""
+    if not defers_init(cfg):
+        return
+    for part in parts:
+        if getattr(part, "init_buffers", None) is not None:
+            cast(TrainableModel, part).init_weights(seed=cfg.debug.seed, buffer_device=device)
+    startup.mark("init weights")
+
+
+def defers_init(cfg: JobConfig) -> bool:
+    """Whether the weights are initialised after the checkpoint load, and only if it loaded no
+    model (checkpointing on, not a seed checkpoint, no LoRA, whose init also freezes the base
+    and seeds the adapters): a load would overwrite them."""
+    lora = cfg.lora.enable
+    return cfg.checkpoint.enable and not cfg.checkpoint.create_seed_checkpoint and not lora
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:

@@ -17,12 +17,14 @@ from torchtitan.plan.auto import load_config
 from torchtitan.plan.explain import explain
 from torchtitan.plan.fit import check_fit
 from torchtitan.preflight.validate import world_size_from_env
+from torchtitan.tools import startup
 from torchtitan.tools.logging import init_logger
 from torchtitan.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    startup.mark("imports")
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             check_fit(cfg, world_size_from_env())  # this machine's memory (job.fit_check)
     except ConfigError as e:
         return config_error(e)
+    startup.mark("preflight")
     if auto_note and int(os.environ.get("RANK", "0")) == 0:
         init_logger().info(auto_note)  # the trainer sets the rank prefix later
     if cfg.job.explain:  # the preflight plan, then exit: no process group, no training

@@ -26,6 +26,7 @@ from torchtitan.builders import (
     build_profiling,
     build_rank_dataloader,
     build_validator,
+    init_model_weights,
     peak_flops,
 )
 from torchtitan.checkpoint.manager import CheckpointManager
@@ -51,6 +52,7 @@ from torchtitan.optim.lr_scheduler import build_lr_scheduler
 from torchtitan.optim.optimizer import build_optimizer
 from torchtitan.plan.auto import check_same_layout
 from torchtitan.preflight.validate import pipeline_plan
+from torchtitan.tools import startup
 from torchtitan.tools.fault_injection import parse_faults
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.watchdog import Watchdog, configure_flight_recorder
@@ -64,10 +66,13 @@ class Trainer:
         """Build in order; the config was validated before we got here."""
         self.cfg = cfg
         self._init_distributed()  # process group, mesh, pipeline plan, log prefix, seeds
+        startup.mark("process group")
         self._build_data()  # tokenizer, data loader, batch plan
+        startup.mark("data")
         self._build_model()  # meta model, converters, parallelisms, weights, pipeline, CP
         self._build_optimizer()  # optimizer and LR schedule
         self._build_observability()  # metrics, non-finite guard, validation, profiler
+        startup.mark("optimizer, metrics")
         self._build_checkpointer()  # resume from the newest valid checkpoint
         self._quantize_base()  # QLoRA: the final frozen base to NF4 (docs/lora.md)
         self._build_step()  # one training step, given every collaborator it uses
@@ -326,8 +331,11 @@ class Trainer:
             self.dataloader,
         )
         resumed = self.checkpointer.load()
+        startup.mark("checkpoint load")
         if resumed is not None:
             self.step = resumed["step"]
+        if not self.checkpointer.model_loaded:  # initialised only when nothing was loaded
+            init_model_weights(self.cfg, self.model_parts, self.device)
 
     def _quantize_base(self) -> None:
         if self.cfg.lora.enable and self.cfg.lora.quantize_base == "nf4":
@@ -384,6 +392,8 @@ class Trainer:
             if self.metrics.should_log(self.step):
                 self._phase("metrics log (cross-rank all-reduce)")
                 self.metrics.log(self.step, lr)
+            if (first := startup.first_step()) is not None:  # docs/performance.md
+                logger.info(first)
             if self.validator is not None and self.validator.should_validate(self.step):
                 self._phase("validation")
                 start = time.perf_counter()

@@ -46,6 +46,7 @@ TOP = {
     "torchtitan.microbatch",
     "torchtitan.log_ranks",
     "torchtitan.launch",
+    "torchtitan.convert",
 }
 
 # Names of Llama 3's modules and buffers: the generic layers must get them from a plan.

@@ -213,3 +213,17 @@ def test_dataloader_benchmark(tmp_path: Path) -> None:
     far = [r for r in rows if r["bench"] == "startup" and r["rank"] == 1023]
     assert len(far) == 6 and all(r["build_s"] + r["first_batch_s"] < 1.0 for r in far)
     assert list(tmp_path.iterdir()) == []  # the synthetic corpus is removed
+
+
+def test_hf_io_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/hf_io.py on the debug model at 2 ranks: each rank reads exactly its share
+    of the synthetic checkpoint, both write their part of the export, and nothing is left."""
+    from tests.script_loader import load
+
+    bench = load("benchmarks/hf_io.py", "hf_io_bench")
+    assert bench.main(["--flavor", "debugmodel", "--ranks", "2", "--dir", str(tmp_path)]) == 0
+    head, run = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert head["flavor"] == "debugmodel" and head["disk_read_GBps"] > 0
+    assert run["ranks"] == 2 and run["max_read_over_share"] == 1.0, run
+    assert all(w > 0 for w in run["per_rank_written_GB"]), run
+    assert list(tmp_path.iterdir()) == []

@@ -42,14 +42,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from torchtitan.checkpoint import safety
+from torchtitan.checkpoint import hf_io, safety
 from torchtitan.checkpoint import storage as io
 from torchtitan.checkpoint.state import (
     load_model_state_dict,
@@ -169,6 +164,7 @@ class CheckpointManager:
             else None
         )
         self._signal: int | None = None
+        self.model_loaded = False  # by load(): the trainer initialises the weights otherwise
         self.last_save_blocking_s = 0.0
         self._old_handlers = {
             sig: signal.signal(sig, self._on_signal) for sig in PREEMPTION_SIGNALS
@@ -324,6 +320,7 @@ class CheckpointManager:
         )
         if "model" in sd:
             load_model_state_dict(self.model_parts, sd["model"])
+            self.model_loaded = True
         if "optimizer" in sd:
             # ``param_groups`` holds no tensors, so DCP stores one copy of it (one rank's). Under
             # PP each rank's groups list only its own stages' parameters: keep this rank's
@@ -360,21 +357,13 @@ class CheckpointManager:
         return train_state
 
     def _load_hf(self, folder: Path) -> None:
-        """Initial weights from a Hugging Face folder (``*.safetensors``): every rank reads the
-        full tensors and keeps its shards."""
+        """Initial weights from a Hugging Face folder (``*.safetensors``): every rank reads
+        only the bytes of the shards it holds (docs/hf_io.md)."""
         if self.hf_adapter is None:
             raise RuntimeError("checkpoint.initial_load_in_hf: this model has no HF adapter")
-        t0 = time.perf_counter()
-        _, hf = io.read_hf_folder(folder)
-        full = self.hf_adapter.from_hf(hf)
-        options = StateDictOptions(full_state_dict=True, strict=False)
-        for part in self.model_parts:
-            own = set(get_model_state_dict(part))
-            set_model_state_dict(part, {k: v for k, v in full.items() if k in own}, options=options)
-        logger.info(
-            f"checkpoint: initial weights from Hugging Face {folder} in "
-            f"{time.perf_counter() - t0:.2f} s"
-        )
+        progress = hf_io.load_hf_streaming(self.model_parts, self.hf_adapter, folder)
+        self.model_loaded = True
+        hf_io.log_rate("initial weights from Hugging Face", progress, folder)
 
     # ------------------------------------------------------------ save
     def step_end(self, step: int, tokens_seen: int) -> bool:

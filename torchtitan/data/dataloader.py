@@ -26,17 +26,18 @@ import logging
 import pickle
 import warnings
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from datasets import IterableDataset as HFIterableDataset
-from datasets.distributed import split_dataset_by_node
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 from torchtitan.data.checks import DataError, DataSource, data_error
 from torchtitan.data.sources import load_text_dataset, local_source
 from torchtitan.data.tokenizer import TextTokenizer
+
+if TYPE_CHECKING:  # ``datasets`` (pandas, pyarrow) is imported when a text dataset is opened
+    from datasets import IterableDataset as HFIterableDataset
 
 __all__ = [
     "document_ids",
@@ -98,6 +99,8 @@ class PackedTokenDataset(IterableDataset, Stateful):
         self.sharding = sharding
         self.with_doc_ids = with_doc_ids
         if sharding == "document":
+            from datasets.distributed import split_dataset_by_node
+
             self._data = split_dataset_by_node(hf_dataset, rank=dp_rank, world_size=dp_world_size)
         else:
             self._data = hf_dataset

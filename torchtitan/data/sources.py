@@ -9,13 +9,13 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from datasets import IterableDataset as HFIterableDataset
-from datasets import load_dataset
+from typing import TYPE_CHECKING, Any
 
 from torchtitan.data.checks import DataError, DataSource
 from torchtitan.tools.paths import resolve_repo_path
+
+if TYPE_CHECKING:  # ``datasets`` (pandas, pyarrow) is imported when a dataset is opened
+    from datasets import IterableDataset as HFIterableDataset
 
 __all__ = ["DATASETS", "DatasetSpec", "load_text_dataset", "local_data_files", "local_source"]
 
@@ -53,6 +53,8 @@ def _load_local(path: str, split: str) -> HFIterableDataset:
     builder = _builder_for(files[0])
     assert builder is not None
     kwargs: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
+    from datasets import load_dataset
+
     return load_dataset(
         builder, data_files={split: [str(p) for p in files]}, split=split, streaming=True, **kwargs
     )
@@ -127,6 +129,8 @@ def _load_hub(path: str, split: str, config_name: str | None = None) -> HFIterab
     local = resolve_repo_path(path)
     if local.exists():
         path = str(local)
+    from datasets import load_dataset
+
     try:
         return load_dataset(path, name=config_name, split=split, streaming=True)
     except Exception as e:

@@ -15,10 +15,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from torchtitan.models.common.hf import ConfigField, HFConfig, HFMapping, OursOnly
 from torchtitan.models.common.hf.decoder import (
@@ -28,23 +25,10 @@ from torchtitan.models.common.hf.decoder import (
     ROPE_QK,
     decoder_fields,
 )
-from torchtitan.models.common.hf.mapping import half_split_rows, interleave_rows
+from torchtitan.models.common.hf.mapping import RopeRows
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.rope import YarnScaling
 from torchtitan.models.gpt_oss.args import GptOssArgs, alternating_layers
-
-
-@dataclass(frozen=True)
-class RopeBias:
-    """A ``wq``/``wk`` bias, ``[heads * head_dim]``: its entries follow the rows' RoPE order."""
-
-    heads: str
-
-    def to_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor:
-        return half_split_rows(w[:, None], getattr(args, self.heads))[:, 0]
-
-    def from_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor:
-        return interleave_rows(w[:, None], getattr(args, self.heads))[:, 0]
 
 
 class _ShapeSection:
@@ -155,8 +139,8 @@ GPT_OSS_HF = HFMapping(
     },
     transforms={
         **ROPE_QK,
-        "attention.wq.bias": RopeBias("n_heads"),
-        "attention.wk.bias": RopeBias("kv_heads"),
+        "attention.wq.bias": RopeRows("n_heads"),
+        "attention.wk.bias": RopeRows("kv_heads"),
     },
     ours_only={
         "feed_forward.router.expert_bias": OursOnly("feed_forward.router.gate.weight", _NO_BIAS)
@@ -172,4 +156,4 @@ def args_from_hf_config(config: Mapping[str, Any]) -> GptOssArgs:
     return args
 
 
-__all__ = ["GPT_OSS_HF", "RopeBias", "args_from_hf_config"]
+__all__ = ["GPT_OSS_HF", "args_from_hf_config"]

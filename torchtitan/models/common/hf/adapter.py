@@ -1,9 +1,13 @@
 """The one Hugging Face state-dict adapter: applies a family's :class:`HFMapping` both ways
 (docs/extending.md, section 5).
 
-Works on full (unsharded) plain tensors: gather a checkpoint first. Top-level tensors are passed
+``to_hf``/``from_hf`` work on full (unsharded) plain tensors. Top-level tensors are passed
 through (the tied head and embedding stay one tensor); per-layer ones are renamed, transformed
 and made contiguous; routed experts are unstacked into one HF tensor each (and stacked back).
+
+The streaming paths (docs/hf_io.md) use two more: ``from_hf_box`` builds one box of one of our
+tensors from lazily opened HF files, reading only the source bytes that box needs;
+``to_hf_one`` converts one full tensor at a time (on ``meta`` it only plans names and shapes).
 """
 
 from __future__ import annotations
@@ -13,7 +17,23 @@ from typing import Any
 
 import torch
 
-from torchtitan.models.common.hf.mapping import HFMapping
+from torchtitan.models.common.hf.mapping import Box, HFMapping, HFSource, box_shape
+
+
+class _Prefixed:
+    """An :class:`HFSource` seen from inside one layer (``model.layers.<i>.``)."""
+
+    def __init__(self, source: HFSource, prefix: str) -> None:
+        self.source, self.prefix = source, prefix
+
+    def __contains__(self, name: object) -> bool:
+        return f"{self.prefix}{name}" in self.source
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.source.shape(self.prefix + name)
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        return self.source.read(self.prefix + name, box)
 
 
 class StateDictAdapter:
@@ -33,24 +53,40 @@ class StateDictAdapter:
         return bool(self.args.tie_word_embeddings)
 
     def to_hf(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        m = self.mapping
         out: dict[str, torch.Tensor] = {}
         for key, w in sd.items():
-            if key in m.top:
-                if not (self._tied and key == m.tied[0]):  # HF stores a tied matrix once
-                    out[m.top[key]] = w
-                continue
-            found = self._ours_layer.match(key)
-            if found is None:
-                raise KeyError(f"no Hugging Face name for {key!r}")
-            prefix = f"{m.layers[1]}.{found.group(1)}."
-            out.update({prefix + k: v for k, v in self._layer_to_hf(key, found.group(2), w)})
+            out.update(self.to_hf_one(key, w))
         return out
 
-    def _layer_to_hf(self, key: str, name: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    def to_hf_one(
+        self, key: str, w: torch.Tensor, check: bool = True
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The HF tensors of our full tensor ``key`` (none for the tied head and the tensors HF
+        has no name for; ``check=False`` skips the check that those are zero, for ``meta``)."""
+        m = self.mapping
+        if key in m.top:
+            # HF stores a tied matrix once
+            return [] if self._tied and key == m.tied[0] else [(m.top[key], w)]
+        found = self._ours_layer.match(key)
+        if found is None:
+            raise KeyError(f"no Hugging Face name for {key!r}")
+        prefix = f"{m.layers[1]}.{found.group(1)}."
+        return [(prefix + k, v) for k, v in self._layer_to_hf(key, found.group(2), w, check)]
+
+    def tied_to(self, key: str) -> str | None:
+        """The embedding's name for the tied head (the same values), else None."""
+        return self.mapping.tied[1] if self.exports_nothing(key) else None
+
+    def exports_nothing(self, key: str) -> bool:
+        """True for the tied head (HF stores the shared matrix once, under the embedding)."""
+        return self._tied and key == self.mapping.tied[0]
+
+    def _layer_to_hf(
+        self, key: str, name: str, w: torch.Tensor, check: bool = True
+    ) -> list[tuple[str, torch.Tensor]]:
         m = self.mapping
         if name in m.ours_only:
-            if bool(w.any()):
+            if check and bool(w.any()):
                 raise ValueError(f"{key} is non-zero: {m.ours_only[name].reason}")
             return []
         if m.experts is not None and name.startswith(m.experts.ours + "."):
@@ -94,6 +130,39 @@ class StateDictAdapter:
         if self._tied and head not in out:
             out[head] = out[embedding]
         return out
+
+    def from_hf_box(
+        self, key: str, shape: tuple[int, ...], box: Box, source: HFSource
+    ) -> torch.Tensor:
+        """``box`` of our tensor ``key`` (of full ``shape``), equal to ``from_hf(all)[key][box]``
+        but reading from ``source`` only the bytes the box needs (docs/hf_io.md)."""
+        m = self.mapping
+        if any(s.stop <= s.start for s in box):
+            return torch.empty(box_shape(box))
+        if key in m.top:
+            hf = m.top[key]
+            if self._tied and key == m.tied[0] and hf not in source:
+                hf = m.top[m.tied[1]]  # HF stores a tied matrix once
+            return source.read(hf, box)
+        found = self._ours_layer.match(key)
+        if found is None:
+            raise KeyError(f"no Hugging Face name for {key!r}")
+        prefix, name = f"{m.layers[1]}.{found.group(1)}.", found.group(2)
+        if name in m.ours_only:
+            return torch.zeros(box_shape(box))
+        if m.experts is not None and name.startswith(m.experts.ours + "."):
+            return m.experts.from_hf_box(name, box, _Prefixed(source, prefix))
+        if name not in m.layer:
+            raise KeyError(f"no Hugging Face name for {key!r}{m.unmapped_hint}")
+        hf_name = prefix + m.layer[name]
+        transform = m.transforms.get(name)
+        if transform is None:
+            return source.read(hf_name, box)
+        if getattr(transform, "from_hf_box", None) is None:
+            # A transform that says nothing about slices: its whole tensor, then the box.
+            whole = tuple(slice(0, n) for n in source.shape(hf_name))
+            return transform.from_hf(source.read(hf_name, whole), self.args)[box]
+        return transform.from_hf_box(lambda b: source.read(hf_name, b), box, shape, self.args)
 
     def _add_ours_only(self, out: dict[str, torch.Tensor]) -> None:
         """Zeros for the tensors HF has no name for, one per row of their ``like`` tensor."""

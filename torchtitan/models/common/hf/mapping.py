@@ -7,11 +7,18 @@ head. ``hf/adapter.py`` applies a mapping both ways, ``hf/config.py`` translates
 
 Every transform here is exact (a permutation, a transpose, a split or a stack: no arithmetic),
 so HF -> ours -> HF is bit-identical.
+
+Each transform also says which source bytes a *box* of our tensor needs (``from_hf_box``: one
+``slice(start, stop)`` per dimension, e.g. the rows of this rank's FSDP shard), so a rank can
+read only what it owns from lazily opened files (docs/hf_io.md): RoPE rows are permuted within
+a head, so the heads the box touches are read, permuted and cut; an expert box reads only its
+experts' rows and columns.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,13 +26,41 @@ import torch
 
 from torchtitan.models.common.hf.config import HFConfig
 
+Box = tuple[slice, ...]
+"""A block of a tensor: one ``slice(start, stop)`` (step 1) per dimension."""
+ReadBox = Callable[[Box], torch.Tensor]
+"""Reads a box of one source (Hugging Face) tensor."""
+
+
+class HFSource(Protocol):
+    """Lazily opened Hugging Face tensors, by HF name (``checkpoint/hf_io.py``)."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read(self, name: str, box: Box) -> torch.Tensor:
+        """One box of the tensor ``name``: only its bytes are read."""
+        ...
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(s.stop - s.start for s in box)
+
 
 class TensorTransform(Protocol):
-    """A per-tensor layout change: ``from_hf(to_hf(w, args), args)`` equals ``w``."""
+    """A per-tensor layout change: ``from_hf(to_hf(w, args), args)`` equals ``w``, and
+    ``from_hf_box(read, box, shape, args)`` equals ``from_hf(full, args)[box]`` where ``read``
+    reads boxes of the HF tensor ``full`` (of our tensor's ``shape``). A transform without
+    ``from_hf_box`` still streams: its whole tensor is read, converted, then cut."""
 
     def to_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor: ...
 
     def from_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor: ...
+
+    def from_hf_box(
+        self, read: ReadBox, box: Box, shape: tuple[int, ...], args: Any
+    ) -> torch.Tensor: ...
 
 
 def half_split_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -52,16 +87,31 @@ class RopeRows:
     heads: str | None
     """The args attribute giving the number of heads in the rows (``n_heads``, ``kv_heads``)."""
 
-    def _apply(self, w: torch.Tensor, args: Any, fn: Any) -> torch.Tensor:
-        if self.heads is None:
-            return fn(w[:, None], 1)[:, 0]
-        return fn(w, getattr(args, self.heads))
+    def _n_heads(self, args: Any) -> int:
+        return 1 if self.heads is None else int(getattr(args, self.heads))
+
+    @staticmethod
+    def _apply(w: torch.Tensor, n_heads: int, fn: Any) -> torch.Tensor:
+        if w.dim() == 1:
+            return fn(w[:, None], n_heads)[:, 0]
+        return fn(w, n_heads)
 
     def to_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor:
-        return self._apply(w, args, half_split_rows)
+        return self._apply(w, self._n_heads(args), half_split_rows)
 
     def from_hf(self, w: torch.Tensor, args: Any) -> torch.Tensor:
-        return self._apply(w, args, interleave_rows)
+        return self._apply(w, self._n_heads(args), interleave_rows)
+
+    def from_hf_box(
+        self, read: ReadBox, box: Box, shape: tuple[int, ...], args: Any
+    ) -> torch.Tensor:
+        """The rows of the heads ``box`` touches are read, permuted, then cut to the box."""
+        head_dim = shape[0] // self._n_heads(args)
+        rows = box[0]
+        h0, h1 = rows.start // head_dim, math.ceil(rows.stop / head_dim)
+        w = read((slice(h0 * head_dim, h1 * head_dim), *box[1:]))
+        w = self._apply(w, h1 - h0, interleave_rows)
+        return w[rows.start - h0 * head_dim : rows.stop - h0 * head_dim]
 
 
 @dataclass(frozen=True)
@@ -94,6 +144,36 @@ class ExpertStack:
         if not e.isdigit() or ours is None:
             return None
         return f"{self.ours}.{ours}", int(e)
+
+    def hf_name(self, name: str, e: int) -> str:
+        """The HF per-layer name of expert ``e`` of our stacked per-layer tensor ``name``."""
+        return f"{self.hf}.{e}.{self.names[name.removeprefix(self.ours + '.')]}.weight"
+
+    def fused_source(self, name: str) -> tuple[str, int, int] | None:
+        """``(fused HF per-layer name, part index, number of parts)`` holding our ``name``."""
+        ours = name.removeprefix(self.ours + ".")
+        for fused, parts in self.fused.items():
+            if ours in parts:
+                return f"{self.hf}.{fused}", parts.index(ours), len(parts)
+        return None
+
+    def from_hf_box(self, name: str, box: Box, source: HFSource) -> torch.Tensor:
+        """A box ``(experts, in, out)`` of our stacked ``name`` read from the per-expert HF
+        tensors (``[out, in]`` each: only the box's experts, rows and columns), or from the
+        fused layout ``[E, parts * out, in]`` when the source has no per-expert tensors."""
+        experts, cols, rows = box
+        if experts.stop == experts.start:
+            return torch.empty(box_shape(box))
+        if self.hf_name(name, experts.start) in source:
+            ids = range(experts.start, experts.stop)
+            return torch.stack([source.read(self.hf_name(name, e), (rows, cols)).t() for e in ids])
+        found = self.fused_source(name)
+        if found is None or found[0] not in source:
+            raise KeyError(f"no Hugging Face tensor holds {name} of expert {experts.start}")
+        fused, part, n_parts = found
+        start = part * (source.shape(fused)[1] // n_parts) + rows.start
+        fused_rows = slice(start, start + rows.stop - rows.start)
+        return source.read(fused, (experts, fused_rows, cols)).transpose(1, 2)
 
     def unfuse(self, hf_name: str, w: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """Our stacked tensors from a fused HF per-layer tensor, else None."""
