@@ -27,7 +27,13 @@ from torchtitan.distributed.pipeline_parallel import split_model
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.eval.harness import Evaluator, make_lm
 from torchtitan.eval.validation_loss import Validator
-from torchtitan.lora.apply import apply_lora, base_init_only, freeze_base, init_adapters
+from torchtitan.lora.apply import (
+    apply_lora,
+    base_init_only,
+    freeze_base,
+    init_adapters,
+    with_targets,
+)
 from torchtitan.lora.layers import is_adapter_name
 from torchtitan.lora.peft_io import load_into
 from torchtitan.loss.cross_entropy import cross_entropy_sum
@@ -120,7 +126,7 @@ def build_meta_model(
             device_type=device.type,
         )
     if cfg.lora.enable:  # adapters before parallelize, so its plans see them (docs/lora.md)
-        adapted = apply_lora(model, cfg.lora)
+        adapted = apply_lora(model, with_targets(cfg.lora, spec))
         logger.info(f"lora: rank {cfg.lora.rank} adapters on {len(adapted)} modules")
     return model
 

@@ -1,6 +1,8 @@
 """LoRA against PEFT (docs/lora.md): on the same base (our HF export) and the same adapters
 (our PEFT export), our forward equals ``peft.PeftModel``'s on transformers (fp32, 1e-5) and the
-adapter gradients after one backward match (relative 1e-4), for Llama 3, Qwen3 and Qwen3-MoE;
+adapter gradients after one backward match (relative 1e-4), for Llama 3, Qwen3, Qwen3-MoE, GPT-OSS
+(biased attention projections) and DeepSeek-V3 (every MLA projection: the family's default
+targets);
 importing the PEFT folder gives back our adapters exactly; grouped-expert adapters (no PEFT
 format) equal the merged weights."""
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.tiny_args import tiny_llama3, tiny_qwen3
+from tests.tiny_args import tiny_deepseek_v3, tiny_gpt_oss, tiny_llama3, tiny_qwen3
 from torchtitan.config.job_config import Lora
 from torchtitan.lora.apply import adapter_names, apply_lora, init_adapters
 from torchtitan.lora.layers import is_adapter_name
@@ -46,6 +48,14 @@ CASES: dict[str, tuple[str, Any, list[str], Any]] = {
     # Attention only: PEFT 0.21 on transformers 5 rewrites Qwen3-MoE MLP targets to the fused
     # experts (its dense layer's SwiGLU then gets none); our experts: the merged test below.
     "qwen3_moe": ("qwen3", QWEN_MOE, ALL, "Qwen3Moe"),
+    # Attention only for both: their routed experts are fused 3-D tensors in transformers.
+    "gpt_oss": ("gpt_oss", tiny_gpt_oss(), ALL, "GptOss"),
+    "deepseek_v3": (
+        "deepseek_v3",
+        tiny_deepseek_v3(),
+        list(MODELS["deepseek_v3"].lora_targets),  # type: ignore[attr-defined]
+        "DeepseekV3",
+    ),
 }
 
 

@@ -282,10 +282,9 @@ class Lora:
     use_rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(r)."""
 
-    target_modules: list[str] = field(
-        default_factory=lambda: ["attention.wq", "attention.wk", "attention.wv", "attention.wo"]
-    )
-    """Module-name patterns (fnmatch, matched against the module's name or a dotted suffix of it) that get adapters: nn.Linear projections or grouped MoE experts (feed_forward.experts)."""
+    target_modules: list[str] = field(default_factory=list)
+    """Empty (default): the family's attention projections (``lora_targets`` of its spec: wq, wk,
+    wv, wo; DeepSeek-V3's MLA wq/wq_a/wq_b/wkv_a/wkv_b/wo). Otherwise module-name patterns (fnmatch, matched against the module's name or a dotted suffix of it) that get adapters: nn.Linear projections or grouped MoE experts (feed_forward.experts)."""
 
     adapter_path: str = ""
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from, written for the same rank, alpha and use_rslora (docs/lora.md)."""

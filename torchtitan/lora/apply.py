@@ -9,6 +9,7 @@ each from a generator seeded by its name, so every layout draws the same values.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import math
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ __all__ = [
     "freeze_base",
     "init_adapters",
     "matches",
+    "with_targets",
 ]
 
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")
@@ -38,6 +40,14 @@ _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.")
 def matches(fqn: str, patterns: list[str]) -> bool:
     """Whether module ``fqn`` matches a pattern, as a whole or as a dotted suffix."""
     return any(fnmatch.fnmatchcase(fqn, p) or fnmatch.fnmatchcase(fqn, "*." + p) for p in patterns)
+
+
+def with_targets(cfg: Lora, spec: object) -> Lora:
+    """``cfg`` with its targets resolved: empty ``target_modules`` takes the family's
+    (``FamilySpec.lora_targets``; a spec without them adapts nothing, which is refused)."""
+    if cfg.target_modules:
+        return cfg
+    return dataclasses.replace(cfg, target_modules=list(getattr(spec, "lora_targets", ())))
 
 
 def apply_lora(model: nn.Module, cfg: Lora) -> list[str]:

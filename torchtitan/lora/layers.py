@@ -50,8 +50,8 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class LoRALinear(nn.Linear):
-    """A frozen linear projection plus a trainable low-rank update (no bias: our projections
-    have none)."""
+    """A frozen linear projection (its bias, where it has one, frozen too: GPT-OSS's attention)
+    plus a trainable low-rank update."""
 
     lora_A: nn.Parameter
     lora_B: nn.Parameter
@@ -61,11 +61,9 @@ class LoRALinear(nn.Linear):
 
     def __init__(self, base: nn.Linear, rank: int, scaling: float, dropout: float) -> None:
         nn.Module.__init__(self)
-        if base.bias is not None:
-            raise ValueError("LoRA adapters wrap bias-free projections only")
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
-        self.register_parameter("bias", None)
+        self.bias = base.bias  # None or the base's (frozen with it)
         device = base.weight.device
         self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=device))
         self.lora_B = nn.Parameter(torch.empty(self.out_features, rank, device=device))
@@ -73,15 +71,19 @@ class LoRALinear(nn.Linear):
         self.lora_dropout = _dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._compute(x, self.weight, self.lora_A, self.lora_B)
+        return self._compute(x, self.weight, self.bias, self.lora_A, self.lora_B)
 
     def local_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The forward on this rank's local values (replicated DTensors computed locally;
         ``models/common/moe_experts.py: local_linear``)."""
-        return self._compute(x, *(local_weight(p) for p in (self.weight, self.lora_A, self.lora_B)))
+        bias = None if self.bias is None else local_weight(self.bias)
+        w, a, b = (local_weight(p) for p in (self.weight, self.lora_A, self.lora_B))
+        return self._compute(x, w, bias, a, b)
 
-    def _compute(self, x: torch.Tensor, w: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        base = _linear(x, w)
+    def _compute(
+        self, x: torch.Tensor, w: Any, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor
+    ) -> torch.Tensor:
+        base = _linear(x, w) if bias is None else _linear(x, w) + bias
         delta = F.linear(F.linear(self.lora_dropout(x).to(a.dtype), a), b)
         return base + (delta * self.scaling).to(base.dtype)
 
@@ -90,9 +92,19 @@ class LoRALinear(nn.Linear):
         projection gets ``B`` colwise and ``A`` replicated, a rowwise one ``A`` rowwise and ``B``
         replicated; the input/output layouts are the original style's."""
         if isinstance(style, ColwiseParallel):
-            layout = {"weight": Shard(0), "lora_A": Replicate(), "lora_B": Shard(0)}
+            layout = {
+                "weight": Shard(0),
+                "bias": Shard(0),
+                "lora_A": Replicate(),
+                "lora_B": Shard(0),
+            }
         elif isinstance(style, RowwiseParallel):
-            layout = {"weight": Shard(1), "lora_A": Shard(1), "lora_B": Replicate()}
+            layout = {
+                "weight": Shard(1),
+                "bias": Replicate(),
+                "lora_A": Shard(1),
+                "lora_B": Replicate(),
+            }
         else:
             return style
         adapted = copy.copy(style)

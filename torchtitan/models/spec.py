@@ -108,6 +108,9 @@ class FamilySpec:
     hf: HFMapping | None = None
     hf_model_types: tuple[str, ...] = ()
     """The ``model_type`` values of the transformers ``config.json`` files this family reads."""
+    lora_targets: tuple[str, ...] = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
+    """What ``lora.target_modules = []`` (the default) adapts: the family's attention
+    projections (docs/lora.md)."""
 
     def build(self, args: Any) -> nn.Module:
         return self.model(args)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from torchtitan.config.job_config import Lora
-from torchtitan.lora.apply import apply_lora
+from torchtitan.lora.apply import apply_lora, with_targets
 from torchtitan.lora.layers import is_adapter_name
 from torchtitan.models import MODELS
 
@@ -39,6 +39,7 @@ _CACHE: dict[tuple, LoraCounts] = {}
 
 def lora_counts(model_name: str, args: object, lora: Lora) -> LoraCounts:
     """The counts for ``args`` (a flavor's shape) with ``lora``'s targets and rank (cached)."""
+    lora = with_targets(lora, MODELS[model_name])
     key = (model_name, repr(args), tuple(lora.target_modules), lora.rank)
     if key not in _CACHE:
         _CACHE[key] = _counts(model_name, args, lora)

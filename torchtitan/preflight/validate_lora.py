@@ -13,7 +13,7 @@ import torch
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, Lora
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.lora.apply import apply_lora
+from torchtitan.lora.apply import apply_lora, with_targets
 from torchtitan.lora.layers import LoRALinear
 from torchtitan.lora.qlora import nf4_problem
 from torchtitan.models import MODELS
@@ -25,10 +25,6 @@ def validate_lora(cfg: JobConfig, dims: ParallelDims) -> None:
     lo = cfg.lora
     if not lo.enable:
         return
-    if not lo.target_modules:
-        raise ConfigError(
-            "lora.target_modules", lo.target_modules, "must name at least one module", _FIX
-        )
     if cfg.quantize.dense.float8.enable:
         raise ConfigError(
             "lora.enable",
@@ -68,6 +64,7 @@ _FIX = "use e.g. attention.wq,attention.wv or feed_forward.experts (docs/lora.md
 def _check_targets(cfg: JobConfig, lo: Lora) -> None:
     spec = MODELS[cfg.model.name]
     args = spec.flavors[cfg.model.flavor]  # the shapes decide what matches
+    lo = with_targets(lo, spec)
     with torch.device("meta"):
         model = spec.build(args)
     try:

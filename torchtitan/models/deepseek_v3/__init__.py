@@ -30,6 +30,7 @@ deepseek_v3_spec = DeepSeekV3Spec(
     deepseek_v3_parallel_plan,
     DEEPSEEK_V3_HF,
     hf_model_types=("deepseek_v3",),
+    lora_targets=tuple(f"attention.{w}" for w in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo")),
 )
 
 __all__ = ["DEEPSEEK_V3_FLAVORS", "DeepSeekV3Args", "Transformer", "deepseek_v3_spec"]
