@@ -1,7 +1,8 @@
 """LoRA trains like one process (docs/lora.md; docs/architecture.md, promise 1): the debug
 models with adapters on every attention and MLP projection (routed experts too for Qwen3-MoE)
 give the single-process losses (fp32, relative 1e-5, 10 steps) under FSDP 2 (fast), TP 2, PP 2,
-EP 2 and FSDP 2 with AC and compile (slow); every rank's base weights are bitwise unchanged after training, the adapters
+EP 2 and FSDP 2 with AC and compile (slow), and GPT-OSS with its family's default targets (the
+biased attention projections) under FSDP 2; every rank's base weights are bitwise unchanged after training, the adapters
 moved, and the adapter checkpoint holds only the adapters (its size is printed)."""
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ LORA = [
     "1e-2",
 ]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+# No --lora.target_modules: the family's default (its attention projections, with biases).
+GPT_OSS_LORA = ["--lora.enable", "--lora.rank", "4", "--optimizer.lr", "1e-2"]
+GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -57,8 +61,8 @@ def _lora_rank(argv: list[str], dump: str) -> tuple[list[dict] | None, bool, boo
     return (read_jsonl(path) if path.exists() else None), base_same, moved, trainable
 
 
-def lora_run(extra: list[str], world: int, dump: Path) -> list[dict]:
-    argv = [*TINY, "--training.steps", str(STEPS), *LORA, *extra]
+def lora_run(extra: list[str], world: int, dump: Path, lora: list[str] = LORA) -> list[dict]:
+    argv = [*TINY, "--training.steps", str(STEPS), *lora, *extra]
     results = run_ranks(_lora_rank, world, argv, str(dump))
     for rank, (_, base_same, moved, trainable) in enumerate(results):
         assert base_same, f"rank {rank}: a base weight changed"
@@ -122,3 +126,13 @@ def test_lora_layout_matches_one_process(
     ref = reference(family, tmp_path_factory)
     got = lora_run([*extra, "--training.local_batch_size", local], 2, tmp_path)
     assert_losses_match(losses(ref), losses(got), rtol=1e-5, label=f"LoRA {layout}")
+
+
+def test_lora_gpt_oss_fsdp2_matches_one_process(tmp_path: Path) -> None:
+    one = lora_run(
+        [*GPT_OSS, "--training.local_batch_size", "8"], 1, tmp_path / "one", GPT_OSS_LORA
+    )
+    two = lora_run(
+        [*GPT_OSS, "--training.local_batch_size", "4"], 2, tmp_path / "two", GPT_OSS_LORA
+    )
+    assert_losses_match(losses(one), losses(two), rtol=1e-5, label="GPT-OSS LoRA FSDP 2")
