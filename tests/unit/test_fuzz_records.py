@@ -87,23 +87,34 @@ def _json_line(obj: Any) -> bytes:
     return text.encode("utf-8", errors="backslashreplace").replace(b"\\x", b"\\u00")
 
 
+_GOOD_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "system"]), "content": _TEXT}
+)
+_BAD_LINE = st.one_of(
+    st.sampled_from(CHAT_LINES).flatmap(damaged),
+    _CONVERSATION.map(_json_line),
+    st.sampled_from([b"", b"   ", b"\xff\xfe", b'{"messages": [\xc3]}']),
+)
+
+
 @st.composite
 def chat_file(draw: st.DrawFn) -> bytes:
-    """JSONL lines: shipped conversations, drawn (often malformed) records, damaged bytes."""
-    line = st.one_of(
-        st.sampled_from(CHAT_LINES),
-        st.sampled_from(CHAT_LINES).flatmap(damaged),
-        _CONVERSATION.map(_json_line),
-        st.sampled_from([b"", b"   ", b"\xff\xfe", b'{"messages": [\xc3]}']),
-    )
-    return b"\n".join(draw(st.lists(line, max_size=5)))
+    """JSONL lines: shipped and drawn well-formed conversations, and in half the files one
+    damaged line (truncated, bit-flipped, mistyped, not UTF-8) somewhere among them."""
+    good = st.sampled_from(CHAT_LINES) | st.fixed_dictionaries(
+        {"messages": st.lists(_GOOD_MESSAGE, min_size=1, max_size=4)}
+    ).map(_json_line)
+    lines = draw(st.lists(good, min_size=1, max_size=4))
+    if draw(st.booleans()):
+        lines.insert(draw(st.integers(0, len(lines))), draw(_BAD_LINE))
+    return b"\n".join(lines)
 
 
 CHAT_OPTIONS = st.fixed_dictionaries(
     {
-        "sft.overlong": st.sampled_from(["truncate", "drop", "error"]),
+        "sft.overlong": st.sampled_from(["truncate", "truncate", "drop", "error"]),
         "sft.packing": st.sampled_from(["pack", "pad"]),
-        "training.seq_len": st.sampled_from([8, 64, 512]),
+        "training.seq_len": st.sampled_from([8, 64, 512, 512]),
     }
 )
 
