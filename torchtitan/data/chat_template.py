@@ -80,11 +80,15 @@ def _short(obj: Any, limit: int = 80) -> str:
 def read_conversations(path: str | Path) -> Iterator[tuple[int, list[Message]]]:
     """(line number, messages) of every non-blank line of a JSONL file; ``ValueError`` naming
     the file and line of the first malformed one."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not UTF-8 (byte {e.start}: {e.reason})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:

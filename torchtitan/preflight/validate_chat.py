@@ -1,6 +1,7 @@
 """Preflight rules of the ``chat`` dataset and the ``[sft]`` section (docs/sft.md): the file
-exists, every record is a well-formed conversation (the error names the file and line), and,
-with ``sft.overlong = "error"``, no conversation is longer than the sequence."""
+exists, every record is a well-formed conversation (the error names the file and line), and the
+file tokenized as the dataset will tokenize it leaves a conversation to train on (with
+``sft.overlong = "error"``: none is longer than the sequence)."""
 
 from __future__ import annotations
 
@@ -70,16 +71,20 @@ def _validate_source(cfg: JobConfig, field: str, path: str | None) -> None:
         )
     s = cfg.sft
     try:
-        if s.overlong == "error" or s.chat_template == "tokenizer":
-            tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-            resolve_chat_template(tokenizer, s.chat_template)
-            if s.overlong == "error":
-                tokenized_conversations(
-                    file, tokenizer, cfg.training.seq_len, "error", s.chat_template
-                )
-                return
         if sum(1 for _ in read_conversations(file)) == 0:  # reads (checks) every record
             raise ValueError(f"{file} holds no conversation")
+        # Tokenized as the dataset will be: the overlong policy can leave nothing to train on.
+        tokenizer = build_tokenizer(cfg.model.tokenizer_path)
+        resolve_chat_template(tokenizer, s.chat_template)
+        seq_len = cfg.training.seq_len
+        convs, dropped = tokenized_conversations(
+            file, tokenizer, seq_len, s.overlong, s.chat_template
+        )
+        if not convs:
+            raise ValueError(
+                f"{file}: no conversation left to train on (all {dropped} are longer than "
+                f"training.seq_len {seq_len} before their first assistant token, or dropped)"
+            )
     except (ValueError, OSError) as e:
         fix = f"fix the data or the option; expected {_FORMAT}"
         raise ConfigError(field, path, str(e), fix) from e

@@ -22,11 +22,8 @@ def _check_corpus(field: str, path: str | None, tokenizer: AnyTokenizer, seq_len
     if not path:
         raise ConfigError(field, path, "must name the corpus folder of a tokenized dataset", fix)
     folder = resolve_repo_path(path)
-    try:
-        manifest = read_manifest(folder)
-        check_manifest(folder, manifest, tokenizer)
-    except ValueError as e:
-        raise ConfigError(field, path, str(e), fix) from None
+    manifest = read_manifest(folder, field)  # a CorpusError names the field and the file
+    check_manifest(folder, manifest, tokenizer, field)
     if manifest["total_tokens"] < seq_len + 1:
         raise ConfigError(
             field,
