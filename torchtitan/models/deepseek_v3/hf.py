@@ -25,7 +25,13 @@ import torch
 
 from torchtitan.models.common.hf import ConfigField, ExpertStack, HFConfig, HFMapping
 from torchtitan.models.common.hf import StateDictAdapter as SharedAdapter
-from torchtitan.models.common.hf.decoder import BLOCK_NORMS, DECODER_TOP, SWIGLU, decoder_fields
+from torchtitan.models.common.hf.decoder import (
+    BLOCK_NORMS,
+    DECODER_CONSTANTS,
+    DECODER_TOP,
+    SWIGLU,
+    decoder_fields,
+)
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 
@@ -142,8 +148,7 @@ _CONFIG = HFConfig(
     constants={
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
-        "hidden_act": "silu",
-        "attention_bias": False,
+        **DECODER_CONSTANTS,
     },
     fields=(
         *decoder_fields(

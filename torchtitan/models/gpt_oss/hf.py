@@ -24,6 +24,7 @@ from torchtitan.models.common.hf import ConfigField, HFConfig, HFMapping, OursOn
 from torchtitan.models.common.hf.decoder import (
     ATTENTION,
     BLOCK_NORMS,
+    DECODER_CONSTANTS,
     DECODER_TOP,
     ROPE_QK,
     decoder_fields,
@@ -114,7 +115,7 @@ _CONFIG = HFConfig(
     constants={
         "architectures": ["GptOssForCausalLM"],
         "model_type": "gpt_oss",
-        "hidden_act": "silu",
+        **DECODER_CONSTANTS,
         "attention_bias": True,
     },
     fields=(
