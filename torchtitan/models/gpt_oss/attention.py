@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan.models.common.attention import AttentionMask, document_causal_mask_mod
+from torchtitan.models.common.attention import OptMask, document_causal_mask_mod
 from torchtitan.models.common.decoder import Attention
 from torchtitan.models.common.moe_experts import local_weight
 
@@ -111,11 +111,7 @@ class SinkAttentionCore(nn.Module):
         return local_weight(self.sinks)
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: AttentionMask | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: OptMask = None
     ) -> torch.Tensor:
         doc_ids = None if mask is None else mask.doc_ids
         if self.backend == "flex":
