@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from torchtitan.distributed.init_weights import ParamInit, init_params_deterministic
 from torchtitan.models.common.attention import (
@@ -242,6 +242,13 @@ class Decoder(nn.Module, abc.ABC):
                 h = layer(h, freqs_cis, mask=mask)
             else:
                 h = layer(h, freqs_cis, mask=mask, cache=cache.layer(key))
+        return self._head(h, tokens, freqs_cis, mask, cache)
+
+    def _head(
+        self, h: Tensor, tokens: Tensor, freqs_cis: Tensor, mask: OptMask, cache: KVCache | None
+    ) -> Tensor:
+        """The last block's hidden states ``h`` through the final norm and the output projection
+        (those this stage has); a family with further heads (DeepSeek-V3's MTP) extends it."""
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
