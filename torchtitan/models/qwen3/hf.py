@@ -21,12 +21,12 @@ from torchtitan.models.common.hf import ConfigField, ExpertStack, HFConfig, HFMa
 from torchtitan.models.common.hf.decoder import (
     ATTENTION,
     BLOCK_NORMS,
-    DECODER_CONSTANTS,
     DECODER_TOP,
     QK_NORM,
     ROPE_QK,
     ROPE_QK_NORM,
     SWIGLU,
+    decoder_constants,
     decoder_fields,
 )
 from torchtitan.models.common.moe import MoEArgs
@@ -76,7 +76,7 @@ def _head_dim(config: Mapping[str, Any]) -> int:
 
 _CONFIG = HFConfig(
     make_args=Qwen3Args,
-    constants={"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **DECODER_CONSTANTS},
+    constants=decoder_constants("Qwen3ForCausalLM", "qwen3"),
     fields=(
         *decoder_fields(
             kv_heads=lambda c: c["num_attention_heads"],
