@@ -31,6 +31,7 @@ from torchtitan.models.common.hf.decoder import (
     SWIGLU,
     decoder_constants,
     decoder_fields,
+    heads_of,
     yarn_from_hf,
     yarn_to_hf,
 )
@@ -140,12 +141,7 @@ _CONFIG = HFConfig(
     make_args=DeepSeekV3Args,
     constants=decoder_constants("DeepseekV3ForCausalLM", "deepseek_v3"),
     fields=(
-        *decoder_fields(
-            kv_heads=lambda c: c["num_attention_heads"],
-            norm_eps=1e-6,
-            rope_theta=10000.0,
-            max_seq_len=4096,
-        ),
+        *decoder_fields(kv_heads=heads_of, norm_eps=1e-6, rope_theta=10000.0, max_seq_len=4096),
         ConfigField("intermediate_size", "intermediate_size"),
         ConfigField("kv_lora_rank", "kv_lora_rank"),
         ConfigField("qk_nope_head_dim", "qk_nope_head_dim"),

@@ -28,6 +28,7 @@ from torchtitan.models.common.hf.decoder import (
     SWIGLU,
     decoder_constants,
     decoder_fields,
+    heads_of,
 )
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3Args
@@ -78,12 +79,7 @@ _CONFIG = HFConfig(
     make_args=Qwen3Args,
     constants=decoder_constants("Qwen3ForCausalLM", "qwen3"),
     fields=(
-        *decoder_fields(
-            kv_heads=lambda c: c["num_attention_heads"],
-            norm_eps=1e-6,
-            rope_theta=1000000.0,
-            max_seq_len=40960,
-        ),
+        *decoder_fields(kv_heads=heads_of, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960),
         ConfigField("head_dim", "head_dim", default=_head_dim),
         ConfigField("intermediate_size", "intermediate_size"),
     ),

@@ -76,6 +76,12 @@ def yarn_from_hf(rope: Any) -> dict[str, Any]:
     }
 
 
+def heads_of(config: Any) -> int:
+    """``decoder_fields``'s ``kv_heads`` default for a family whose configs may omit
+    ``num_key_value_heads``: one key/value head per query head."""
+    return int(config["num_attention_heads"])
+
+
 def _rope_theta(default: float) -> Any:
     # transformers >= 5 writes ``rope_parameters`` (theta included); older ones ``rope_theta``.
     return lambda config: (config.get("rope_parameters") or {}).get("rope_theta", default)
