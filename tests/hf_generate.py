@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.hf_parity import export_hf
 from tests.script_loader import load
 from torchtitan.data.tokenizer import build_tokenizer
 
@@ -37,11 +38,8 @@ def check_hf_generation(
 ) -> torch.Tensor:
     """Writes ``model`` through ``adapter`` to ``folder`` and checks its greedy tokens (with the
     cache, without, read back by ``generate.py --hf``, by transformers); returns the prompt."""
-    from safetensors.torch import save_file
-
     transformers = pytest.importorskip("transformers")
-    save_file(adapter.to_hf(dict(model.state_dict())), str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(adapter.hf_config()))
+    export_hf(model, adapter, folder)
 
     ids = build_tokenizer(TOKENIZER).encode(PROMPT, bos=True, eos=False)
     prompt = torch.tensor([ids])
