@@ -28,6 +28,14 @@ def export_hf(model: torch.nn.Module, adapter: Any, folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(adapter.hf_config()))
 
 
+def export_logit_diff(model: torch.nn.Module, adapter: Any, hf_class: Any, folder: Path) -> float:
+    """:func:`export_hf` to ``folder``, read by transformers' ``hf_class`` (fp32, eager
+    attention): the :func:`logit_diff` of the two models in eval mode."""
+    export_hf(model, adapter, folder)
+    hf = hf_class.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    return logit_diff(model.eval(), hf.eval())
+
+
 def import_hf(hf: Any, folder: Path) -> tuple[Any, Any, dict[str, torch.Tensor]]:
     """The transformers model ``hf`` saved to ``folder`` and read back: (our args, our model
     with its weights, strictly loaded, the Hugging Face state dict)."""

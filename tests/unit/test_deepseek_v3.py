@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from tests import hf_parity
+from tests.spec_checks import built_on_meta
 from tests.tiny_args import tiny_deepseek_v3
-from torchtitan.models import MODELS
 from torchtitan.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args, Transformer
 from torchtitan.models.deepseek_v3.hf import DEEPSEEK_V3_HF, DeepSeekV3Adapter
 
@@ -35,13 +35,7 @@ def test_published_sizes(flavor: str, total: float, active: float) -> None:
 
 
 def test_spec_counts_and_plan_paths() -> None:
-    spec = MODELS["deepseek_v3"]
-    args = spec.flavors["debugmodel"]
-    with torch.device("meta"):
-        model = spec.build(args)
-    assert spec.num_params(args) == sum(p.numel() for p in model.parameters())
-    plan = spec.parallel_plan(args)
-    blocks = plan.blocks_of(model)
+    spec, args, model, plan, blocks = built_on_meta("deepseek_v3", "debugmodel")
     dense, sparse = blocks["0"], blocks["1"]
     # Every style lands somewhere, except the direct query projection (a query latent here).
     for path in plan.tensor_parallel.root:
@@ -153,11 +147,9 @@ def test_export_matches_transformers_logits(args: DeepSeekV3Args, tmp_path: Path
         for layer in (model.layers["1"], model.layers["2"]):
             assert layer.moe is not None
             layer.moe.router.expert_bias.normal_(0.0, 0.05)
-    hf_parity.export_hf(model, DeepSeekV3Adapter(DEEPSEEK_V3_HF, args), tmp_path)
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(
-        tmp_path, torch_dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    diff = hf_parity.logit_diff(model.eval(), hf)
+    adapter = DeepSeekV3Adapter(DEEPSEEK_V3_HF, args)
+    hf_class = transformers.DeepseekV3ForCausalLM
+    diff = hf_parity.export_logit_diff(model, adapter, hf_class, tmp_path)
     print(f"ours -> transformers: max abs logit diff {diff:.2e}")
     assert diff <= 1e-5, diff
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from tests import hf_parity
+from tests.spec_checks import built_on_meta
 from tests.tiny_args import tiny_gpt_oss
-from torchtitan.models import MODELS
 from torchtitan.models.common.hf import StateDictAdapter
 from torchtitan.models.common.rope import YarnScaling, precompute_yarn_freqs_cis
 from torchtitan.models.gpt_oss import GPT_OSS_FLAVORS, GptOssArgs, Transformer
@@ -36,13 +36,7 @@ def test_published_sizes(flavor: str, total: float, active: float) -> None:
 
 
 def test_spec_counts_plan_and_flops() -> None:
-    spec = MODELS["gpt_oss"]
-    args = spec.flavors["debugmodel"]
-    with torch.device("meta"):
-        model = spec.build(args)
-    assert spec.num_params(args) == sum(p.numel() for p in model.parameters())
-    plan = spec.parallel_plan(args)
-    blocks = plan.blocks_of(model)
+    spec, args, model, plan, blocks = built_on_meta("gpt_oss", "debugmodel")
     for path in plan.tensor_parallel.block:
         blocks["0"].get_submodule(path)
     assert plan.context_parallel is None and plan.document_mask
@@ -114,11 +108,8 @@ def test_export_matches_transformers_logits(tmp_path: Path) -> None:
         for p in model.parameters():
             if p.dim() == 1 or p.dim() == 2 and p.shape[0] == TINY.moe.num_experts:  # vectors
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    hf_parity.export_hf(model, StateDictAdapter(GPT_OSS_HF, TINY), tmp_path)
-    hf = transformers.GptOssForCausalLM.from_pretrained(
-        tmp_path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    diff = hf_parity.logit_diff(model.eval(), hf)
+    adapter = StateDictAdapter(GPT_OSS_HF, TINY)
+    diff = hf_parity.export_logit_diff(model, adapter, transformers.GptOssForCausalLM, tmp_path)
     print(f"ours -> transformers: max abs logit diff {diff:.2e}")
     assert diff <= 1e-5, diff
 

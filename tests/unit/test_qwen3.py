@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests import hf_parity
+from tests.spec_checks import built_on_meta
 from tests.tiny_args import tiny_qwen3
 from torchtitan.models import MODELS
 from torchtitan.models.common.hf import StateDictAdapter
@@ -46,13 +47,7 @@ def test_published_sizes(flavor: str, total: float, active: float) -> None:
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
 def test_spec_counts_and_plan_paths(flavor: str) -> None:
-    spec = MODELS["qwen3"]
-    args = spec.flavors[flavor]
-    with torch.device("meta"):
-        model = spec.build(args)
-    assert spec.num_params(args) == sum(p.numel() for p in model.parameters())
-    plan = spec.parallel_plan(args)
-    blocks = plan.blocks_of(model)
+    spec, args, model, plan, blocks = built_on_meta("qwen3", flavor)
     for path in plan.tensor_parallel.root:
         model.get_submodule(path)
     if args.moe is None:
@@ -89,12 +84,8 @@ def _hf_classes(args: Qwen3Args):
 def test_export_matches_transformers_logits(args: Qwen3Args, tmp_path: Path) -> None:
     model_cls, _ = _hf_classes(args)
     model = _model(args, seed=3)
-    hf_parity.export_hf(model, StateDictAdapter(QWEN3_HF, args), tmp_path)
-    hf = model_cls.from_pretrained(
-        tmp_path, torch_dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    diff = hf_parity.logit_diff(model, hf)
-    print(f"ours -> transformers ({type(hf).__name__}): max abs logit diff {diff:.2e}")
+    diff = hf_parity.export_logit_diff(model, StateDictAdapter(QWEN3_HF, args), model_cls, tmp_path)
+    print(f"ours -> transformers ({model_cls.__name__}): max abs logit diff {diff:.2e}")
     assert diff <= 1e-5, diff
 
 
