@@ -17,7 +17,7 @@ import pytest
 
 import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
 from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
-from tests.distributed.parity_cases import assert_grad_norms_match
+from tests.distributed.parity_cases import FamilyParity
 from tests.launcher import run_ranks
 from tests.parity import assert_losses_match, losses, train_metrics
 
@@ -30,18 +30,7 @@ FLAVOR = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 # off). The bitwise resume runs with the bias on: it is state a resume must restore.
 MODEL = [*FLAVOR, "--model.moe_bias_update_rate", "0"]
 NO_MTP = ["--model.mtp_depth", "0"]
-_REF: dict[str, list[dict]] = {}
-
-
-def _reference(mtp: bool, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    key = "mtp" if mtp else "no_mtp"
-    if key not in _REF:
-        dump = tmp_path_factory.mktemp(f"deepseek_ref_{key}")
-        argv = [*MODEL, *([] if mtp else NO_MTP), "--training.local_batch_size", "8"]
-        _REF[key] = train_metrics(argv, 1, dump, STEPS)
-        first, last = _REF[key][0]["loss"], _REF[key][-1]["loss"]
-        assert last < first - 0.3, f"reference loss did not fall: {first:.3f} -> {last:.3f}"
-    return _REF[key]
+PARITY = FamilyParity(MODEL, STEPS)
 
 
 def _compare(
@@ -52,11 +41,9 @@ def _compare(
     label: str,
     mtp: bool = True,
 ) -> None:
-    ref = _reference(mtp, tmp_path_factory)
-    argv = [*MODEL, *([] if mtp else NO_MTP), *overrides]
-    got = train_metrics(argv, world, tmp_path, STEPS)
-    assert_losses_match(losses(ref), losses(got), rtol=1e-5, label=label)
-    assert_grad_norms_match(ref, got, label)
+    """The shared comparison, the MTP loss too where the runs have MTP."""
+    extra = () if mtp else tuple(NO_MTP)
+    ref, got = PARITY.compare(tmp_path_factory, tmp_path, world, overrides, label, extra)
     if mtp:
         ref_mtp, got_mtp = [m["mtp/loss"] for m in ref], [m["mtp/loss"] for m in got]
         assert_losses_match(ref_mtp, got_mtp, rtol=1e-5, label=f"{label} (MTP loss)")
@@ -64,7 +51,7 @@ def _compare(
 
 def test_fsdp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     _compare(tmp_path_factory, tmp_path, 2, ["--training.local_batch_size", "4"], "FSDP 2")
-    mtp = [m["mtp/loss"] for m in _REF["mtp"]]
+    mtp = [m["mtp/loss"] for m in PARITY.reference(tmp_path_factory)]
     print(f"MTP loss {mtp[0]:.3f} -> {mtp[-1]:.3f}")
     assert mtp[-1] < mtp[0] - 0.3, mtp
 

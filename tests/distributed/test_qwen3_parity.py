@@ -13,25 +13,10 @@ from pathlib import Path
 import pytest
 
 import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
-from tests.distributed.parity_cases import assert_grad_norms_match
-from tests.parity import assert_losses_match, losses, train_metrics
+from tests.distributed.parity_cases import FamilyParity
 
 STEPS = 10
-_REF: dict[str, list[dict]] = {}
-
-
-def _flavor(flavor: str) -> list[str]:
-    return ["--model.name", "qwen3", "--model.flavor", flavor]
-
-
-def _reference(flavor: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    if flavor not in _REF:
-        dump = tmp_path_factory.mktemp(f"qwen3_ref_{flavor}")
-        argv = [*_flavor(flavor), "--training.local_batch_size", "8"]
-        _REF[flavor] = train_metrics(argv, 1, dump, STEPS)
-        first, last = _REF[flavor][0]["loss"], _REF[flavor][-1]["loss"]
-        assert last < first - 0.3, f"reference loss did not fall: {first:.3f} -> {last:.3f}"
-    return _REF[flavor]
+PARITY = FamilyParity(["--model.name", "qwen3"], STEPS)
 
 
 def _compare(
@@ -42,10 +27,8 @@ def _compare(
     overrides: list[str],
     label: str,
 ) -> None:
-    ref = _reference(flavor, tmp_path_factory)
-    got = train_metrics([*_flavor(flavor), *overrides], world, tmp_path, STEPS)
-    assert_losses_match(losses(ref), losses(got), rtol=1e-5, label=label)
-    assert_grad_norms_match(ref, got, label)
+    extra = ("--model.flavor", flavor)
+    PARITY.compare(tmp_path_factory, tmp_path, world, overrides, label, extra)
 
 
 @pytest.mark.slow
