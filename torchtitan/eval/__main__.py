@@ -20,7 +20,7 @@ from pathlib import Path
 from torchtitan.checkpoint import storage as io
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import help_text
+from torchtitan.config.manager import asked_for_help
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -93,8 +93,7 @@ def evaluate(cfg: JobConfig, log_samples: bool = False) -> Evaluator:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(help_text())
+    if asked_for_help(argv):
         return 0
     try:
         cfg = load_config(argv)
