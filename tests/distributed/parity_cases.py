@@ -26,6 +26,10 @@ STEPS = 20
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 5e-4
 
+PP2_1F1B = ["--parallelism.pipeline_parallel_degree", "2"]
+PP2_1F1B += ["--parallelism.pipeline_parallel_schedule", "1F1B"]
+"""Two pipeline stages, the 1F1B schedule (the families' PP parity runs)."""
+
 _REFERENCE: dict[int, list[dict]] = {}
 
 

@@ -17,7 +17,7 @@ import pytest
 
 import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
 from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
-from tests.distributed.parity_cases import FamilyParity
+from tests.distributed.parity_cases import PP2_1F1B, FamilyParity
 from tests.launcher import run_ranks
 from tests.parity import assert_losses_match, losses, train_metrics
 
@@ -78,14 +78,7 @@ def test_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     """Without MTP (refused under PP). With the routing bias on, PP would drift by ~1e-4 for
     another reason too: torch's pipeline stage runs one metadata forward of its own before the
     first step, which the MoE layers count as load (Qwen3-MoE alike, docs/deepseek_v3.md)."""
-    overrides = [
-        "--parallelism.pipeline_parallel_degree",
-        "2",
-        "--parallelism.pipeline_parallel_schedule",
-        "1F1B",
-        "--training.local_batch_size",
-        "8",
-    ]
+    overrides = [*PP2_1F1B, "--training.local_batch_size", "8"]
     _compare(tmp_path_factory, tmp_path, 2, overrides, "PP 2", mtp=False)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
 from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
-from tests.distributed.parity_cases import FamilyParity
+from tests.distributed.parity_cases import PP2_1F1B, FamilyParity
 from tests.launcher import run_ranks
 from tests.parity import TINY, _train, assert_losses_match, losses, train_metrics
 
@@ -79,8 +79,7 @@ def test_fsdp2_bitwise_resume(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = ["--parallelism.pipeline_parallel_degree", "2", LB, "8"]
-    overrides += ["--parallelism.pipeline_parallel_schedule", "1F1B"]
+    overrides = [*PP2_1F1B, LB, "8"]
     _compare(tmp_path_factory, tmp_path, 2, overrides, "GPT-OSS PP 2")
 
 

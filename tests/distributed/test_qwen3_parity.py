@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
-from tests.distributed.parity_cases import FamilyParity
+from tests.distributed.parity_cases import PP2_1F1B, FamilyParity
 
 STEPS = 10
 PARITY = FamilyParity(["--model.name", "qwen3"], STEPS)
@@ -37,14 +37,7 @@ def test_moe_fsdp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> 
     _compare("debugmodel_moe", tmp_path_factory, tmp_path, 2, overrides, "Qwen3-MoE FSDP 2")
 
 
-PP2 = [
-    "--parallelism.pipeline_parallel_degree",
-    "2",
-    "--parallelism.pipeline_parallel_schedule",
-    "1F1B",
-    "--training.local_batch_size",
-    "8",
-]
+PP2 = [*PP2_1F1B, "--training.local_batch_size", "8"]
 
 
 @pytest.mark.slow
@@ -95,7 +88,7 @@ def test_moe_ep4(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_moe_pp2_ep2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = _ep(2, 4, *PP2[:4])
+    overrides = _ep(2, 4, *PP2_1F1B)
     _compare("debugmodel_moe", tmp_path_factory, tmp_path, 4, overrides, "Qwen3-MoE PP 2 x EP 2")
 
 
