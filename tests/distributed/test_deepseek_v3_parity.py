@@ -67,31 +67,24 @@ def test_mtp_weight_zero_equals_no_mtp(tmp_path: Path) -> None:
     assert all(m["mtp/loss"] > 0 for m in got)  # computed (and logged), not trained
 
 
-@pytest.mark.slow
-def test_tp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]
-    _compare(tmp_path_factory, tmp_path, 2, overrides, "TP 2")
+LB = "--training.local_batch_size"
+# (ranks, overrides, MTP on). PP and CP run without MTP (refused there). With the routing bias
+# on, PP would drift by ~1e-4 for another reason too: torch's pipeline stage runs one metadata
+# forward of its own before the first step, which the MoE layers count as load (Qwen3-MoE
+# alike, docs/deepseek_v3.md).
+SLOW_CASES = {
+    "TP 2": (2, ["--parallelism.tensor_parallel_degree", "2", LB, "8"], True),
+    "PP 2": (2, [*PP2_1F1B, LB, "8"], False),
+    "EP 2 x FSDP 4": (4, ["--parallelism.expert_parallel_degree", "2", LB, "2"], True),
+    "CP 2": (2, ["--parallelism.context_parallel_degree", "2", LB, "8"], False),
+}
 
 
 @pytest.mark.slow
-def test_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    """Without MTP (refused under PP). With the routing bias on, PP would drift by ~1e-4 for
-    another reason too: torch's pipeline stage runs one metadata forward of its own before the
-    first step, which the MoE layers count as load (Qwen3-MoE alike, docs/deepseek_v3.md)."""
-    overrides = [*PP2_1F1B, "--training.local_batch_size", "8"]
-    _compare(tmp_path_factory, tmp_path, 2, overrides, "PP 2", mtp=False)
-
-
-@pytest.mark.slow
-def test_ep2_fsdp4(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]
-    _compare(tmp_path_factory, tmp_path, 4, overrides, "EP 2 x FSDP 4")
-
-
-@pytest.mark.slow
-def test_cp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"]
-    _compare(tmp_path_factory, tmp_path, 2, overrides, "CP 2", mtp=False)
+@pytest.mark.parametrize("label", list(SLOW_CASES))
+def test_parallelism(label: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    world, overrides, mtp = SLOW_CASES[label]
+    _compare(tmp_path_factory, tmp_path, world, overrides, label, mtp=mtp)
 
 
 @pytest.mark.slow
