@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from torch import nn
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed.utils import device_type
 from torchtitan.eval.loading import load_weights as read_weights
+from torchtitan.eval.loading import materialize
 from torchtitan.models import MODELS
 from torchtitan.models.common.kv_cache import KVCache
 
@@ -65,10 +65,6 @@ def build_model(
     with torch.device("meta"):
         model = spec.build(args)
     if tp > 1:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
         from torch.distributed.device_mesh import init_device_mesh
 
         from torchtitan.distributed.tensor_parallel import apply_tp
@@ -77,19 +73,7 @@ def build_model(
         # Logits gathered to every rank (no loss parallel): each rank samples from them.
         plan = spec.parallel_plan(args)
         apply_tp(model, plan.blocks_of(model), mesh, plan.tensor_parallel, loss_parallel=False)
-        model.to_empty(device=device)
-        # Every rank holds the full weights and keeps its shards.
-        full: dict[str, Any] = dict(sd)
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
-    else:
-        model.to_empty(device=device)
-        model.load_state_dict(sd, strict=True)
-    model.init_buffers(device)  # type: ignore[operator]
-    with warnings.catch_warnings():
-        # nn.Module.to casts the complex RoPE table too; Transformer._apply recomputes it.
-        warnings.filterwarnings("ignore", message="Casting complex values to real")
-        model.to(dtype)
-    return model.eval()
+    return materialize(model, sd, device, dtype, sharded=tp > 1)
 
 
 # ---------------------------------------------------------------- sampling

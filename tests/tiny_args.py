@@ -9,6 +9,7 @@ from typing import Any
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.rope import YarnScaling
 from torchtitan.models.deepseek_v3 import DeepSeekV3Args
+from torchtitan.models.deepseek_v3.args import group_routed_experts
 from torchtitan.models.gpt_oss import GptOssArgs
 from torchtitan.models.llama3 import ModelArgs
 from torchtitan.models.qwen3 import Qwen3Args
@@ -67,17 +68,7 @@ def tiny_deepseek_v3(**extra: Any) -> DeepSeekV3Args:
     """Three blocks (one dense, two MoE with 8 sigmoid-routed experts in 2 groups and a shared
     one) of 4 MLA heads (query and key/value latents of 32, 16 + 8 rotated channels, values of
     16), YaRN RoPE over a 64-position table, no MTP unless ``extra`` says otherwise."""
-    moe = MoEArgs(
-        num_experts=8,
-        top_k=2,
-        expert_dim=32,
-        num_shared_experts=1,
-        score_func="sigmoid",
-        route_scale=2.5,
-        n_groups=2,
-        topk_groups=1,
-        bias_update_rate=0.001,
-    )
+    moe = group_routed_experts((8, 2, 32), (2, 1), route_scale=2.5, aux_loss_coef=0.0)
     shape: dict[str, Any] = dict(
         dim=64,
         n_layers=3,

@@ -3,7 +3,6 @@ them (docs/architecture.md, section 3). Each takes the config and what was built
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -38,7 +37,7 @@ from torchtitan.lora.layers import is_adapter_name
 from torchtitan.lora.peft_io import load_into
 from torchtitan.loss.cross_entropy import cross_entropy_sum
 from torchtitan.metrics.processor import MetricsProcessor
-from torchtitan.metrics.writers import MetricWriter, build_writers
+from torchtitan.metrics.writers import MetricWriter, build_job_writers
 from torchtitan.models.spec import ModelSpec, TrainableModel
 from torchtitan.tools import startup
 from torchtitan.tools.device_memory import DeviceMemoryMonitor
@@ -224,17 +223,7 @@ def build_metrics(
 ) -> tuple[MetricsProcessor, list[MetricWriter]]:
     """The metrics processor (loss, throughput, MFU, memory) and the writers it feeds."""
     m = cfg.metrics
-    writers = build_writers(
-        cfg.job.dump_folder,
-        enable_jsonl=m.enable_jsonl,
-        enable_tensorboard=m.enable_tensorboard,
-        enable_wandb=m.enable_wandb,
-        tb_folder=m.save_tb_folder,
-        rank=rank,
-        write_this_rank=m.save_for_all_ranks or rank == 0,
-        config_dict=dataclasses.asdict(cfg),
-        run_name=cfg.job.description,
-    )
+    writers = build_job_writers(cfg, rank, write_this_rank=m.save_for_all_ranks or rank == 0)
     memory = MemoryMonitor(
         DeviceMemoryMonitor(device),
         rank=rank,

@@ -9,7 +9,7 @@ from torchtitan.checkpoint.safety import CheckpointSafetyError
 from torchtitan.checkpoint.trust import UntrustedCheckpointError
 from torchtitan.checkpoint.write_errors import CheckpointWriteError
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.manager import help_text
+from torchtitan.config.manager import asked_for_help
 from torchtitan.distributed.utils import destroy_distributed
 from torchtitan.guards.spikes import TrainingAborted
 from torchtitan.launch import report_stop
@@ -25,8 +25,7 @@ from torchtitan.trainer import Trainer
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     startup.mark("imports")
-    if "-h" in argv or "--help" in argv:
-        print(help_text())
+    if asked_for_help(argv):
         return 0
     try:
         # parse, choose the layout (--parallelism.auto), validate: before any process group

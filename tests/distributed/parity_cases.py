@@ -26,6 +26,10 @@ STEPS = 20
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 5e-4
 
+PP2_1F1B = ["--parallelism.pipeline_parallel_degree", "2"]
+PP2_1F1B += ["--parallelism.pipeline_parallel_schedule", "1F1B"]
+"""Two pipeline stages, the 1F1B schedule (the families' PP parity runs)."""
+
 _REFERENCE: dict[int, list[dict]] = {}
 
 
@@ -73,3 +77,42 @@ def assert_grad_norms_match(reference: list[dict], got: list[dict], label: str) 
     print(msg)
     assert worst <= GRAD_NORM_RTOL, msg
     return worst
+
+
+class FamilyParity:
+    """One model family's parity runs (``test_<family>_parity.py``): a one-process reference per
+    extra argument set (local batch 8, cached per session; its loss must fall by 0.3), and runs
+    under a parallelism compared with it step by step (losses within 1e-5 relative, grad norms
+    as above)."""
+
+    def __init__(self, model: list[str], steps: int = 10) -> None:
+        self.model, self.steps = model, steps
+        self._references: dict[tuple[str, ...], list[dict]] = {}
+
+    def reference(
+        self, tmp_path_factory: pytest.TempPathFactory, extra: tuple[str, ...] = ()
+    ) -> list[dict]:
+        if extra not in self._references:
+            dump = tmp_path_factory.mktemp("family_ref")
+            argv = [*self.model, *extra, "--training.local_batch_size", "8"]
+            ref = train_metrics(argv, 1, dump, self.steps)
+            first, last = ref[0]["loss"], ref[-1]["loss"]
+            assert last < first - 0.3, f"reference loss did not fall: {first:.3f} -> {last:.3f}"
+            self._references[extra] = ref
+        return self._references[extra]
+
+    def compare(
+        self,
+        tmp_path_factory: pytest.TempPathFactory,
+        tmp_path: Path,
+        world: int,
+        overrides: list[str],
+        label: str,
+        extra: tuple[str, ...] = (),
+    ) -> tuple[list[dict], list[dict]]:
+        """(reference, this run) after checking that they match."""
+        ref = self.reference(tmp_path_factory, extra)
+        got = train_metrics([*self.model, *extra, *overrides], world, tmp_path, self.steps)
+        assert_losses_match(losses(ref), losses(got), rtol=LOSS_RTOL, label=label)
+        assert_grad_norms_match(ref, got, label)
+        return ref, got

@@ -17,7 +17,7 @@ import pytest
 
 import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
 from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
-from tests.distributed.parity_cases import assert_grad_norms_match
+from tests.distributed.parity_cases import PP2_1F1B, FamilyParity
 from tests.launcher import run_ranks
 from tests.parity import assert_losses_match, losses, train_metrics
 
@@ -30,18 +30,7 @@ FLAVOR = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 # off). The bitwise resume runs with the bias on: it is state a resume must restore.
 MODEL = [*FLAVOR, "--model.moe_bias_update_rate", "0"]
 NO_MTP = ["--model.mtp_depth", "0"]
-_REF: dict[str, list[dict]] = {}
-
-
-def _reference(mtp: bool, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    key = "mtp" if mtp else "no_mtp"
-    if key not in _REF:
-        dump = tmp_path_factory.mktemp(f"deepseek_ref_{key}")
-        argv = [*MODEL, *([] if mtp else NO_MTP), "--training.local_batch_size", "8"]
-        _REF[key] = train_metrics(argv, 1, dump, STEPS)
-        first, last = _REF[key][0]["loss"], _REF[key][-1]["loss"]
-        assert last < first - 0.3, f"reference loss did not fall: {first:.3f} -> {last:.3f}"
-    return _REF[key]
+PARITY = FamilyParity(MODEL, STEPS)
 
 
 def _compare(
@@ -52,11 +41,9 @@ def _compare(
     label: str,
     mtp: bool = True,
 ) -> None:
-    ref = _reference(mtp, tmp_path_factory)
-    argv = [*MODEL, *([] if mtp else NO_MTP), *overrides]
-    got = train_metrics(argv, world, tmp_path, STEPS)
-    assert_losses_match(losses(ref), losses(got), rtol=1e-5, label=label)
-    assert_grad_norms_match(ref, got, label)
+    """The shared comparison, the MTP loss too where the runs have MTP."""
+    extra = () if mtp else tuple(NO_MTP)
+    ref, got = PARITY.compare(tmp_path_factory, tmp_path, world, overrides, label, extra)
     if mtp:
         ref_mtp, got_mtp = [m["mtp/loss"] for m in ref], [m["mtp/loss"] for m in got]
         assert_losses_match(ref_mtp, got_mtp, rtol=1e-5, label=f"{label} (MTP loss)")
@@ -64,7 +51,7 @@ def _compare(
 
 def test_fsdp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
     _compare(tmp_path_factory, tmp_path, 2, ["--training.local_batch_size", "4"], "FSDP 2")
-    mtp = [m["mtp/loss"] for m in _REF["mtp"]]
+    mtp = [m["mtp/loss"] for m in PARITY.reference(tmp_path_factory)]
     print(f"MTP loss {mtp[0]:.3f} -> {mtp[-1]:.3f}")
     assert mtp[-1] < mtp[0] - 0.3, mtp
 
@@ -80,38 +67,24 @@ def test_mtp_weight_zero_equals_no_mtp(tmp_path: Path) -> None:
     assert all(m["mtp/loss"] > 0 for m in got)  # computed (and logged), not trained
 
 
-@pytest.mark.slow
-def test_tp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]
-    _compare(tmp_path_factory, tmp_path, 2, overrides, "TP 2")
+LB = "--training.local_batch_size"
+# (ranks, overrides, MTP on). PP and CP run without MTP (refused there). With the routing bias
+# on, PP would drift by ~1e-4 for another reason too: torch's pipeline stage runs one metadata
+# forward of its own before the first step, which the MoE layers count as load (Qwen3-MoE
+# alike, docs/deepseek_v3.md).
+SLOW_CASES = {
+    "TP 2": (2, ["--parallelism.tensor_parallel_degree", "2", LB, "8"], True),
+    "PP 2": (2, [*PP2_1F1B, LB, "8"], False),
+    "EP 2 x FSDP 4": (4, ["--parallelism.expert_parallel_degree", "2", LB, "2"], True),
+    "CP 2": (2, ["--parallelism.context_parallel_degree", "2", LB, "8"], False),
+}
 
 
 @pytest.mark.slow
-def test_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    """Without MTP (refused under PP). With the routing bias on, PP would drift by ~1e-4 for
-    another reason too: torch's pipeline stage runs one metadata forward of its own before the
-    first step, which the MoE layers count as load (Qwen3-MoE alike, docs/deepseek_v3.md)."""
-    overrides = [
-        "--parallelism.pipeline_parallel_degree",
-        "2",
-        "--parallelism.pipeline_parallel_schedule",
-        "1F1B",
-        "--training.local_batch_size",
-        "8",
-    ]
-    _compare(tmp_path_factory, tmp_path, 2, overrides, "PP 2", mtp=False)
-
-
-@pytest.mark.slow
-def test_ep2_fsdp4(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]
-    _compare(tmp_path_factory, tmp_path, 4, overrides, "EP 2 x FSDP 4")
-
-
-@pytest.mark.slow
-def test_cp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = ["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "8"]
-    _compare(tmp_path_factory, tmp_path, 2, overrides, "CP 2", mtp=False)
+@pytest.mark.parametrize("label", list(SLOW_CASES))
+def test_parallelism(label: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    world, overrides, mtp = SLOW_CASES[label]
+    _compare(tmp_path_factory, tmp_path, world, overrides, label, mtp=mtp)
 
 
 @pytest.mark.slow

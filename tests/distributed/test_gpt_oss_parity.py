@@ -16,7 +16,7 @@ import pytest
 
 import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
 from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
-from tests.distributed.parity_cases import assert_grad_norms_match
+from tests.distributed.parity_cases import PP2_1F1B, FamilyParity
 from tests.launcher import run_ranks
 from tests.parity import TINY, _train, assert_losses_match, losses, train_metrics
 
@@ -24,31 +24,8 @@ STEPS = 10
 MODEL = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
 LB = "--training.local_batch_size"
 BLOCK = ["--model.attn_mask_type", "block_causal"]
-_REF: dict[str, list[dict]] = {}
-
-
-def _reference(extra: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    key = " ".join(extra)
-    if key not in _REF:
-        dump = tmp_path_factory.mktemp("gpt_oss_ref")
-        _REF[key] = train_metrics([*MODEL, LB, "8", *extra], 1, dump, STEPS)
-        first, last = _REF[key][0]["loss"], _REF[key][-1]["loss"]
-        assert last < first - 0.3, f"reference loss did not fall: {first:.3f} -> {last:.3f}"
-    return _REF[key]
-
-
-def _compare(
-    tmp_path_factory: pytest.TempPathFactory,
-    tmp_path: Path,
-    world: int,
-    overrides: list[str],
-    label: str,
-    extra: tuple[str, ...] = (),
-) -> None:
-    ref = _reference(extra, tmp_path_factory)
-    got = train_metrics([*MODEL, *extra, *overrides], world, tmp_path, STEPS)
-    assert_losses_match(losses(ref), losses(got), rtol=1e-5, label=label)
-    assert_grad_norms_match(ref, got, label)
+PARITY = FamilyParity(MODEL, STEPS)
+_compare = PARITY.compare
 
 
 def test_fsdp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
@@ -69,8 +46,8 @@ def test_ep2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_block_causal_fsdp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    causal = _reference((), tmp_path_factory)
-    block = _reference(tuple(BLOCK), tmp_path_factory)
+    causal = PARITY.reference(tmp_path_factory)
+    block = PARITY.reference(tmp_path_factory, tuple(BLOCK))
     assert losses(block) != losses(causal), "the document mask changed nothing"
     label = "GPT-OSS block_causal FSDP 2"
     _compare(tmp_path_factory, tmp_path, 2, [LB, "4"], label, tuple(BLOCK))
@@ -102,8 +79,7 @@ def test_fsdp2_bitwise_resume(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = ["--parallelism.pipeline_parallel_degree", "2", LB, "8"]
-    overrides += ["--parallelism.pipeline_parallel_schedule", "1F1B"]
+    overrides = [*PP2_1F1B, LB, "8"]
     _compare(tmp_path_factory, tmp_path, 2, overrides, "GPT-OSS PP 2")
 
 
@@ -113,7 +89,7 @@ def test_compile_and_full_ac(tmp_path_factory: pytest.TempPathFactory, tmp_path:
     with full activation checkpointing, on one process (measured 1.2e-7 from eager)."""
     from tests.distributed.test_compile_float8 import COMPILE
 
-    ref = losses(_reference((), tmp_path_factory))
+    ref = losses(PARITY.reference(tmp_path_factory))
     overrides = [*COMPILE, "--activation_checkpoint.mode", "full", LB, "8"]
     argv = [*TINY, "--training.steps", str(STEPS), *MODEL, *overrides]
     # A long timeout: a cold compile on a busy 2-core machine can take minutes.
@@ -131,7 +107,7 @@ def test_float8_trains_close_to_fp32(
     is exempt): within float8's tolerance of fp32, not equal to it."""
     from tests.distributed.test_compile_float8 import FLOAT8, FLOAT8_RTOL
 
-    ref = losses(_reference((), tmp_path_factory))
+    ref = losses(PARITY.reference(tmp_path_factory))
     got = losses(train_metrics([*MODEL, *FLOAT8, LB, "8"], 1, tmp_path, STEPS))
     worst = assert_losses_match(ref, got, rtol=FLOAT8_RTOL, label="GPT-OSS float8 vs fp32")
     assert worst > 1e-6, "float8 losses equal fp32 exactly: were the attention linears converted?"

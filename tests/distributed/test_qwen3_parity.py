@@ -13,25 +13,10 @@ from pathlib import Path
 import pytest
 
 import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
-from tests.distributed.parity_cases import assert_grad_norms_match
-from tests.parity import assert_losses_match, losses, train_metrics
+from tests.distributed.parity_cases import PP2_1F1B, FamilyParity
 
 STEPS = 10
-_REF: dict[str, list[dict]] = {}
-
-
-def _flavor(flavor: str) -> list[str]:
-    return ["--model.name", "qwen3", "--model.flavor", flavor]
-
-
-def _reference(flavor: str, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    if flavor not in _REF:
-        dump = tmp_path_factory.mktemp(f"qwen3_ref_{flavor}")
-        argv = [*_flavor(flavor), "--training.local_batch_size", "8"]
-        _REF[flavor] = train_metrics(argv, 1, dump, STEPS)
-        first, last = _REF[flavor][0]["loss"], _REF[flavor][-1]["loss"]
-        assert last < first - 0.3, f"reference loss did not fall: {first:.3f} -> {last:.3f}"
-    return _REF[flavor]
+PARITY = FamilyParity(["--model.name", "qwen3"], STEPS)
 
 
 def _compare(
@@ -42,51 +27,13 @@ def _compare(
     overrides: list[str],
     label: str,
 ) -> None:
-    ref = _reference(flavor, tmp_path_factory)
-    got = train_metrics([*_flavor(flavor), *overrides], world, tmp_path, STEPS)
-    assert_losses_match(losses(ref), losses(got), rtol=1e-5, label=label)
-    assert_grad_norms_match(ref, got, label)
+    extra = ("--model.flavor", flavor)
+    PARITY.compare(tmp_path_factory, tmp_path, world, overrides, label, extra)
 
 
-@pytest.mark.slow
-def test_moe_fsdp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = ["--training.local_batch_size", "4"]
-    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 2, overrides, "Qwen3-MoE FSDP 2")
-
-
-PP2 = [
-    "--parallelism.pipeline_parallel_degree",
-    "2",
-    "--parallelism.pipeline_parallel_schedule",
-    "1F1B",
-    "--training.local_batch_size",
-    "8",
-]
-
-
-@pytest.mark.slow
-def test_moe_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 2, PP2, "Qwen3-MoE PP 2")
-
-
-@pytest.mark.slow
-def test_dense_fsdp2_tp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
-    _compare("debugmodel", tmp_path_factory, tmp_path, 4, overrides, "Qwen3 FSDP 2 x TP 2")
-
-
-@pytest.mark.slow
-def test_dense_pp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    _compare("debugmodel", tmp_path_factory, tmp_path, 2, PP2, "Qwen3 PP 2")
-
-
+PP2 = [*PP2_1F1B, "--training.local_batch_size", "8"]
 EP2 = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]
-
-
-def test_moe_ep2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    """EP 2 (borrowing the 2 data-parallel ranks, FSDP for the rest): 4 experts per rank,
-    tokens dispatched and combined by all-to-all with uneven splits."""
-    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 2, EP2, "Qwen3-MoE EP 2")
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
 
 def _ep(ep: int, local_batch: int, *extra: str) -> list[str]:
@@ -99,31 +46,30 @@ def _ep(ep: int, local_batch: int, *extra: str) -> list[str]:
     ]
 
 
-@pytest.mark.slow
-def test_moe_ep2_fsdp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    """4 ranks: dp_shard 4 = efsdp 2 x ep 2; the experts FSDP-sharded over efsdp."""
-    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 4, _ep(2, 2), "Qwen3-MoE EP 2 x FSDP 2")
+# label -> (flavor, ranks, overrides). Under PP 2 the auxiliary loss is seeded in each stage's
+# backward; with EP 2 x FSDP 2 (dp_shard 4 = efsdp 2 x ep 2) the experts are FSDP-sharded over
+# efsdp; under TP the MoE blocks run whole on both ranks (ReplicateParallel), attention split.
+SLOW_CASES = {
+    "Qwen3-MoE FSDP 2": ("debugmodel_moe", 2, ["--training.local_batch_size", "4"]),
+    "Qwen3-MoE PP 2": ("debugmodel_moe", 2, PP2),
+    "Qwen3 FSDP 2 x TP 2": ("debugmodel", 4, [*TP2, "--training.local_batch_size", "4"]),
+    "Qwen3 PP 2": ("debugmodel", 2, PP2),
+    "Qwen3-MoE EP 2 x FSDP 2": ("debugmodel_moe", 4, _ep(2, 2)),
+    "Qwen3-MoE EP 4": ("debugmodel_moe", 4, _ep(4, 2)),
+    "Qwen3-MoE PP 2 x EP 2": ("debugmodel_moe", 4, _ep(2, 4, *PP2_1F1B)),
+    "Qwen3-MoE TP 2": ("debugmodel_moe", 2, [*TP2, "--training.local_batch_size", "8"]),
+    "Qwen3-MoE EP 2 x TP 2": ("debugmodel_moe", 4, _ep(2, 4, *TP2)),
+}
 
 
 @pytest.mark.slow
-def test_moe_ep4(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 4, _ep(4, 2), "Qwen3-MoE EP 4")
+@pytest.mark.parametrize("label", list(SLOW_CASES))
+def test_parallelism(label: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    flavor, world, overrides = SLOW_CASES[label]
+    _compare(flavor, tmp_path_factory, tmp_path, world, overrides, label)
 
 
-@pytest.mark.slow
-def test_moe_pp2_ep2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = _ep(2, 4, *PP2[:4])
-    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 4, overrides, "Qwen3-MoE PP 2 x EP 2")
-
-
-@pytest.mark.slow
-def test_moe_tp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    """MoE blocks whole on both TP ranks (ReplicateParallel), attention split by heads."""
-    overrides = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"]
-    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 2, overrides, "Qwen3-MoE TP 2")
-
-
-@pytest.mark.slow
-def test_moe_ep2_tp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    overrides = _ep(2, 4, "--parallelism.tensor_parallel_degree", "2")
-    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 4, overrides, "Qwen3-MoE EP 2 x TP 2")
+def test_moe_ep2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """EP 2 (borrowing the 2 data-parallel ranks, FSDP for the rest): 4 experts per rank,
+    tokens dispatched and combined by all-to-all with uneven splits."""
+    _compare("debugmodel_moe", tmp_path_factory, tmp_path, 2, EP2, "Qwen3-MoE EP 2")

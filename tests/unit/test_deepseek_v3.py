@@ -5,18 +5,17 @@ MTP against a reference written here from the tech report (section 2.2)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import hf_parity
+from tests.spec_checks import built_on_meta
 from tests.tiny_args import tiny_deepseek_v3
-from torchtitan.checkpoint.storage import read_hf_folder
-from torchtitan.models import MODELS
 from torchtitan.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args, Transformer
-from torchtitan.models.deepseek_v3.hf import DEEPSEEK_V3_HF, DeepSeekV3Adapter, args_from_hf_config
+from torchtitan.models.deepseek_v3.hf import DEEPSEEK_V3_HF, DeepSeekV3Adapter
 
 V3 = tiny_deepseek_v3()
 # No query latent (V2-Lite), and a YaRN whose rotation magnitude is not 1 (mscale != all_dim).
@@ -36,13 +35,7 @@ def test_published_sizes(flavor: str, total: float, active: float) -> None:
 
 
 def test_spec_counts_and_plan_paths() -> None:
-    spec = MODELS["deepseek_v3"]
-    args = spec.flavors["debugmodel"]
-    with torch.device("meta"):
-        model = spec.build(args)
-    assert spec.num_params(args) == sum(p.numel() for p in model.parameters())
-    plan = spec.parallel_plan(args)
-    blocks = plan.blocks_of(model)
+    spec, args, model, plan, blocks = built_on_meta("deepseek_v3", "debugmodel")
     dense, sparse = blocks["0"], blocks["1"]
     # Every style lands somewhere, except the direct query projection (a query latent here).
     for path in plan.tensor_parallel.root:
@@ -99,32 +92,18 @@ def _hf_model(args: DeepSeekV3Args, seed: int):
     return hf
 
 
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
-
-
-def _import(hf, tmp_path: Path) -> tuple[DeepSeekV3Args, Transformer, dict[str, torch.Tensor]]:
-    hf.save_pretrained(tmp_path)
-    config, hf_sd = read_hf_folder(tmp_path)
-    args = args_from_hf_config(config)
-    ours = Transformer(args)
-    ours.load_state_dict(DeepSeekV3Adapter(DEEPSEEK_V3_HF, args).from_hf(hf_sd), strict=True)
-    ours.init_buffers()
-    return args, ours, hf_sd
-
-
 @pytest.mark.parametrize("args", [V3, LITE], ids=["v3", "lite"])
 def test_import_matches_transformers_logits_loss_and_grads(
     args: DeepSeekV3Args, tmp_path: Path
 ) -> None:
     hf = _hf_model(args, seed=1)
-    got, ours, hf_sd = _import(hf, tmp_path)
+    got, ours, hf_sd = hf_parity.import_hf(hf, tmp_path)
     assert (got.moe, got.q_lora_rank, got.rope_factor) == (
         args.moe,
         args.q_lora_rank,
         args.rope_factor,
     )
-    tokens = _tokens()
+    tokens = hf_parity.tokens()
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     ours.train()
     hf.train()
@@ -159,8 +138,6 @@ def test_import_matches_transformers_logits_loss_and_grads(
 @pytest.mark.parametrize("args", [V3, LITE], ids=["v3", "lite"])
 def test_export_matches_transformers_logits(args: DeepSeekV3Args, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from safetensors.torch import save_file
-
     model = Transformer(args)
     model.init_weights(seed=3)
     with torch.no_grad():
@@ -171,14 +148,8 @@ def test_export_matches_transformers_logits(args: DeepSeekV3Args, tmp_path: Path
             assert layer.moe is not None
             layer.moe.router.expert_bias.normal_(0.0, 0.05)
     adapter = DeepSeekV3Adapter(DEEPSEEK_V3_HF, args)
-    save_file(adapter.to_hf(dict(model.state_dict())), str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(adapter.hf_config()))
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(
-        tmp_path, torch_dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    model.eval()
-    with torch.no_grad():
-        diff = (model(_tokens()) - hf(_tokens()).logits).abs().max().item()
+    hf_class = transformers.DeepseekV3ForCausalLM
+    diff = hf_parity.export_logit_diff(model, adapter, hf_class, tmp_path)
     print(f"ours -> transformers: max abs logit diff {diff:.2e}")
     assert diff <= 1e-5, diff
 
@@ -214,7 +185,7 @@ def test_mtp_matches_the_paper() -> None:
     model.init_weights(seed=5)
     ref_model = Transformer(args)
     ref_model.load_state_dict(model.state_dict())
-    tokens = _tokens()
+    tokens = hf_parity.tokens()
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     logits = model(inputs)
     assert model.mtp_loss is not None
@@ -240,7 +211,7 @@ def test_mtp_weight_zero_leaves_the_main_model_alone() -> None:
     without.load_state_dict(
         {k: v for k, v in with_mtp.state_dict().items() if not k.startswith("mtp.")}
     )
-    tokens = _tokens()
+    tokens = hf_parity.tokens()
     for model in (with_mtp, without):
         logits = model(tokens[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()

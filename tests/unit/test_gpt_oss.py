@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests import hf_parity
+from tests.spec_checks import built_on_meta
 from tests.tiny_args import tiny_gpt_oss
-from torchtitan.checkpoint.storage import read_hf_folder
-from torchtitan.models import MODELS
 from torchtitan.models.common.hf import StateDictAdapter
 from torchtitan.models.common.rope import YarnScaling, precompute_yarn_freqs_cis
 from torchtitan.models.gpt_oss import GPT_OSS_FLAVORS, GptOssArgs, Transformer
-from torchtitan.models.gpt_oss.hf import GPT_OSS_HF, args_from_hf_config
+from torchtitan.models.gpt_oss.hf import GPT_OSS_HF
 
 transformers = pytest.importorskip("transformers")
 TINY = tiny_gpt_oss()
@@ -36,13 +36,7 @@ def test_published_sizes(flavor: str, total: float, active: float) -> None:
 
 
 def test_spec_counts_plan_and_flops() -> None:
-    spec = MODELS["gpt_oss"]
-    args = spec.flavors["debugmodel"]
-    with torch.device("meta"):
-        model = spec.build(args)
-    assert spec.num_params(args) == sum(p.numel() for p in model.parameters())
-    plan = spec.parallel_plan(args)
-    blocks = plan.blocks_of(model)
+    spec, args, model, plan, blocks = built_on_meta("gpt_oss", "debugmodel")
     for path in plan.tensor_parallel.block:
         blocks["0"].get_submodule(path)
     assert plan.context_parallel is None and plan.document_mask
@@ -81,25 +75,12 @@ def _hf_model(args: GptOssArgs, seed: int):
     return hf.eval()
 
 
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
-
-
-def _ours_from(hf, tmp_path: Path) -> tuple[Transformer, GptOssArgs]:
-    hf.save_pretrained(tmp_path)
-    config, hf_sd = read_hf_folder(tmp_path)
-    args = args_from_hf_config(config)
-    ours = Transformer(args)
-    ours.load_state_dict(StateDictAdapter(GPT_OSS_HF, args).from_hf(hf_sd), strict=True)
-    ours.init_buffers()
-    return ours.eval(), args
-
-
 def test_import_matches_transformers_logits_loss_and_grads(tmp_path: Path) -> None:
     hf = _hf_model(TINY, seed=0)
-    ours, args = _ours_from(hf, tmp_path)
+    args, ours, _ = hf_parity.import_hf(hf, tmp_path)
+    ours.eval()
     assert args.layer_types == TINY.layer_types and args.yarn == TINY.yarn
-    tokens, labels = _tokens(), _tokens().roll(1, dims=1)
+    tokens, labels = hf_parity.tokens(), hf_parity.tokens().roll(1, dims=1)
     logits, hf_logits = ours(tokens), hf(tokens).logits
     diff = (logits - hf_logits).abs().max().item()
     print(f"transformers -> ours: max abs logit diff {diff:.2e}")
@@ -120,8 +101,6 @@ def test_import_matches_transformers_logits_loss_and_grads(tmp_path: Path) -> No
 
 
 def test_export_matches_transformers_logits(tmp_path: Path) -> None:
-    from safetensors.torch import save_file
-
     model = Transformer(TINY)
     model.init_weights(seed=3)
     with torch.no_grad():  # non-zero biases and sinks, so a wrong mapping would show
@@ -130,21 +109,14 @@ def test_export_matches_transformers_logits(tmp_path: Path) -> None:
             if p.dim() == 1 or p.dim() == 2 and p.shape[0] == TINY.moe.num_experts:  # vectors
                 p.add_(0.3 * torch.randn(p.shape, generator=gen))
     adapter = StateDictAdapter(GPT_OSS_HF, TINY)
-    save_file(adapter.to_hf(dict(model.state_dict())), str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(adapter.hf_config()))
-    hf = transformers.GptOssForCausalLM.from_pretrained(
-        tmp_path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        diff = (model.eval()(_tokens()) - hf(_tokens()).logits).abs().max().item()
+    diff = hf_parity.export_logit_diff(model, adapter, transformers.GptOssForCausalLM, tmp_path)
     print(f"ours -> transformers: max abs logit diff {diff:.2e}")
     assert diff <= 1e-5, diff
 
 
 def test_hf_round_trip_is_bit_identical(tmp_path: Path) -> None:
     hf = _hf_model(TINY, seed=1)
-    ours, args = _ours_from(hf, tmp_path)
-    _, hf_sd = read_hf_folder(tmp_path)
+    args, ours, hf_sd = hf_parity.import_hf(hf, tmp_path)
     back = StateDictAdapter(GPT_OSS_HF, args).to_hf(dict(ours.state_dict()))
     assert set(back) == set(hf_sd) and all(torch.equal(back[k], hf_sd[k]) for k in hf_sd)
 
@@ -154,7 +126,7 @@ def test_block_causal_equals_documents_alone() -> None:
     and sinks applied within documents)."""
     model = Transformer(TINY)
     model.init_weights(seed=5)
-    tokens = _tokens()[:1]
+    tokens = hf_parity.tokens()[:1]
     doc_ids = torch.zeros_like(tokens)
     doc_ids[:, 15:] = 1
     with torch.no_grad():
@@ -179,7 +151,7 @@ def test_greedy_generation_with_cache_equals_without_and_transformers(tmp_path: 
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, 0.3)
-    prompt = _tokens()[:, :12]
+    prompt = hf_parity.tokens()[:, :12]
     cached = gen.generate(model.eval(), prompt, 20)
     assert torch.equal(cached, gen.generate(model, prompt, 20, use_cache=False))
     assert len(set(cached[0, 12:].tolist())) > 3, "degenerate continuation"

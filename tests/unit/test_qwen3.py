@@ -5,19 +5,19 @@ max abs diff <= 1e-5), in both directions."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import hf_parity
+from tests.spec_checks import built_on_meta
 from tests.tiny_args import tiny_qwen3
-from torchtitan.checkpoint.storage import read_hf_folder
 from torchtitan.models import MODELS
 from torchtitan.models.common.hf import StateDictAdapter
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3 import QWEN3_FLAVORS, Qwen3Args, Transformer
-from torchtitan.models.qwen3.hf import QWEN3_HF, args_from_hf_config
+from torchtitan.models.qwen3.hf import QWEN3_HF
 
 DENSE = tiny_qwen3()
 # Layer 1 dense (mlp_only_layers), layer 0 and 2 sparse: every mapping is exercised.
@@ -47,13 +47,7 @@ def test_published_sizes(flavor: str, total: float, active: float) -> None:
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
 def test_spec_counts_and_plan_paths(flavor: str) -> None:
-    spec = MODELS["qwen3"]
-    args = spec.flavors[flavor]
-    with torch.device("meta"):
-        model = spec.build(args)
-    assert spec.num_params(args) == sum(p.numel() for p in model.parameters())
-    plan = spec.parallel_plan(args)
-    blocks = plan.blocks_of(model)
+    spec, args, model, plan, blocks = built_on_meta("qwen3", flavor)
     for path in plan.tensor_parallel.root:
         model.get_submodule(path)
     if args.moe is None:
@@ -86,25 +80,12 @@ def _hf_classes(args: Qwen3Args):
     return transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig
 
 
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
-
-
 @pytest.mark.parametrize("args", [DENSE, MOE], ids=["dense", "moe"])
 def test_export_matches_transformers_logits(args: Qwen3Args, tmp_path: Path) -> None:
-    from safetensors.torch import save_file
-
     model_cls, _ = _hf_classes(args)
     model = _model(args, seed=3)
-    adapter = StateDictAdapter(QWEN3_HF, args)
-    save_file(adapter.to_hf(dict(model.state_dict())), str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps(adapter.hf_config()))
-    hf = model_cls.from_pretrained(
-        tmp_path, torch_dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        diff = (model(_tokens()) - hf(_tokens()).logits).abs().max().item()
-    print(f"ours -> transformers ({type(hf).__name__}): max abs logit diff {diff:.2e}")
+    diff = hf_parity.export_logit_diff(model, StateDictAdapter(QWEN3_HF, args), model_cls, tmp_path)
+    print(f"ours -> transformers ({model_cls.__name__}): max abs logit diff {diff:.2e}")
     assert diff <= 1e-5, diff
 
 
@@ -116,17 +97,9 @@ def test_import_matches_transformers_logits(args: Qwen3Args, tmp_path: Path) -> 
     with torch.no_grad():  # random everything (the HF router starts at zero: all ties)
         for p in hf.parameters():
             p.normal_(0.0, 0.1)
-    hf.save_pretrained(tmp_path)
-    config, hf_sd = read_hf_folder(tmp_path)
-    got = args_from_hf_config(config)
+    got, ours, hf_sd = hf_parity.import_hf(hf, tmp_path)
     assert (got.moe, got.moe_layers, got.head_dim) == (args.moe, args.moe_layers, args.head_dim)
-    ours = Transformer(got)
-    ours.load_state_dict(StateDictAdapter(QWEN3_HF, got).from_hf(hf_sd), strict=True)
-    ours.init_buffers()
-    ours.eval()
-    hf.eval()
-    with torch.no_grad():
-        diff = (ours(_tokens()) - hf(_tokens()).logits).abs().max().item()
+    diff = hf_parity.logit_diff(ours.eval(), hf.eval())
     print(f"transformers ({type(hf).__name__}) -> ours: max abs logit diff {diff:.2e}")
     assert diff <= 1e-5, diff
     back = StateDictAdapter(QWEN3_HF, got).to_hf(dict(ours.state_dict()))

@@ -16,7 +16,7 @@ import sys
 from torchtitan.config.compose import annotate
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import help_text, to_toml
+from torchtitan.config.manager import asked_for_help, to_toml
 from torchtitan.plan.auto import load_config
 from torchtitan.plan.explain import explain
 from torchtitan.plan.fit import check_fit
@@ -26,8 +26,7 @@ from torchtitan.tools.logging import logger
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(help_text())
+    if asked_for_help(argv):
         return 0
     # The checks' warnings go to stderr as "warning: ..." (stdout is the TOML, which
     # run_train.sh discards).

@@ -443,6 +443,15 @@ def iter_fields(
             yield path, tp, getattr(obj, f.name), field_docs(cls).get(f.name, "")
 
 
+def asked_for_help(argv: list[str]) -> bool:
+    """Prints :func:`help_text` and says True when ``argv`` holds ``-h`` or ``--help`` (the
+    command-line entry points' first check)."""
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return True
+    return False
+
+
 def help_text() -> str:
     lines = [
         "usage: python -m torchtitan.train --job.config_file FILE [--section.field VALUE ...]",

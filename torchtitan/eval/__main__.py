@@ -20,13 +20,13 @@ from pathlib import Path
 from torchtitan.checkpoint import storage as io
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.config.manager import help_text
+from torchtitan.config.manager import asked_for_help
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.eval.harness import Evaluator, make_lm
 from torchtitan.eval.loading import build_eval_model, load_weights
-from torchtitan.metrics.writers import build_writers
+from torchtitan.metrics.writers import build_job_writers
 from torchtitan.preflight.validate import load_config
 from torchtitan.preflight.validate_eval import validate_eval
 from torchtitan.tools.logging import init_logger, logger
@@ -76,18 +76,7 @@ def evaluate(cfg: JobConfig, log_samples: bool = False) -> Evaluator:
         cfg.eval,
         (dp.get_group(), dp.get_local_rank(), dp.size()),
     )
-    m = cfg.metrics
-    writers = build_writers(
-        cfg.job.dump_folder,
-        enable_jsonl=m.enable_jsonl,
-        enable_tensorboard=m.enable_tensorboard,
-        enable_wandb=m.enable_wandb,
-        tb_folder=m.save_tb_folder,
-        rank=rank,
-        write_this_rank=rank == 0,
-        config_dict=dataclasses.asdict(cfg),
-        run_name=cfg.job.description,
-    )
+    writers = build_job_writers(cfg, rank, write_this_rank=rank == 0)
     named = re.search(r"step-(\d+)", str(path.resolve()))
     step = int(named.group(1)) if named else 0
     evaluator = Evaluator(lm, cfg.eval, writers, seed=cfg.debug.seed)
@@ -104,8 +93,7 @@ def evaluate(cfg: JobConfig, log_samples: bool = False) -> Evaluator:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        print(help_text())
+    if asked_for_help(argv):
         return 0
     try:
         cfg = load_config(argv)

@@ -88,7 +88,21 @@ def build_eval_model(
         eval_cfg.activation_checkpoint.mode = "none"
         eval_cfg.compile.enable = False
         parallelize(model, spec.parallel_plan(args), _tp_only(dims), eval_cfg, dtype, dtype)
-        model.to_empty(device=device)
+    return materialize(model, sd, device, dtype, sharded=dims.tp_enabled)
+
+
+def materialize(
+    model: nn.Module,
+    sd: dict[str, torch.Tensor],
+    device: torch.device,
+    dtype: torch.dtype,
+    sharded: bool,
+) -> nn.Module:
+    """``model`` (built on the meta device; ``sharded``: tensor parallel applied) on ``device``
+    with the full state dict ``sd`` loaded (a sharded model keeps its shards of it), its
+    buffers computed, cast to ``dtype``, in eval mode (also ``scripts/generate.py``'s)."""
+    model.to_empty(device=device)
+    if sharded:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -97,7 +111,6 @@ def build_eval_model(
         full: dict[str, Any] = dict(sd)  # every rank holds it all and keeps its shards
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
     else:
-        model.to_empty(device=device)
         model.load_state_dict(sd, strict=True)
     model.init_buffers(device)  # type: ignore[operator]
     with warnings.catch_warnings():

@@ -13,6 +13,7 @@ Layout under ``job.dump_folder`` (see ``build_writers``)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -188,3 +189,20 @@ def build_writers(
             dump,
         )
     return writers
+
+
+def build_job_writers(cfg: Any, rank: int, write_this_rank: bool) -> list[MetricWriter]:
+    """:func:`build_writers` as a job config's ``[metrics]`` and ``[job]`` sections say (the
+    trainer's and ``python -m torchtitan.eval``'s); ``cfg`` is a ``JobConfig``."""
+    m = cfg.metrics
+    return build_writers(
+        cfg.job.dump_folder,
+        enable_jsonl=m.enable_jsonl,
+        enable_tensorboard=m.enable_tensorboard,
+        enable_wandb=m.enable_wandb,
+        tb_folder=m.save_tb_folder,
+        rank=rank,
+        write_this_rank=write_this_rank,
+        config_dict=dataclasses.asdict(cfg),
+        run_name=cfg.job.description,
+    )

@@ -127,6 +127,10 @@ class DecoderArgsBase(abc.ABC):
         return 6 * self.num_params(exclude_embedding=True, active=True) + attention
 
 
+DEBUG_SHAPE: dict[str, Any] = {"dim": 256, "n_heads": 8, "vocab_size": 2048, "max_seq_len": 2048}
+"""What the families' ``debugmodel`` flavors share (each adds its depth and its own fields)."""
+
+
 def flavor_table(
     make: Callable[..., A],
     columns: tuple[str, ...],

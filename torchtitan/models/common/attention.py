@@ -28,6 +28,7 @@ __all__ = [
     "AttentionCore",
     "AttentionMask",
     "MaskMod",
+    "OptMask",
     "build_attention_mask",
     "dense_mask",
     "document_causal_mask_mod",
@@ -94,6 +95,10 @@ class AttentionMask(NamedTuple):
         )
 
 
+OptMask = AttentionMask | None
+"""A layer's ``mask`` argument: ``None`` is plain causal attention."""
+
+
 def build_attention_mask(doc_ids: torch.Tensor, backend: str) -> AttentionMask:
     """The mask every layer of one forward uses; ``flex`` builds its ``BlockMask`` here, once."""
     if backend != "flex":
@@ -137,11 +142,7 @@ class AttentionCore(nn.Module):
     """
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: AttentionMask | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: OptMask = None
     ) -> torch.Tensor:
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -28,11 +28,15 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from torchtitan.distributed.init_weights import ParamInit, init_params_deterministic
-from torchtitan.models.common.attention import AttentionCore, AttentionMask, build_attention_mask
-from torchtitan.models.common.kv_cache import KVCache, LayerKVCache
+from torchtitan.models.common.attention import (
+    AttentionCore,
+    OptMask,
+    build_attention_mask,
+)
+from torchtitan.models.common.kv_cache import KVCache, LayerKVCache, OptCache
 from torchtitan.models.common.moe import MoE
 from torchtitan.models.common.rope import apply_rotary_emb, repeat_kv
 
@@ -76,11 +80,7 @@ class Attention(nn.Module):
         self.core = AttentionCore()
 
     def forward(
-        self,
-        x: torch.Tensor,
-        freqs_cis: torch.Tensor,
-        mask: AttentionMask | None = None,
-        cache: LayerKVCache | None = None,
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: OptMask = None, cache: OptCache = None
     ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1, not n_heads: under tensor parallel these hold only this rank's heads.
@@ -121,23 +121,26 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
 
-    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module):
+    def __init__(
+        self, dim: int, norm_eps: float, attention: nn.Module, feed_forward: nn.Module | None
+    ) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.attention = attention
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.feed_forward = feed_forward
 
+    def ffn(self) -> nn.Module:
+        """The block's feed-forward (a family keeping it under another name overrides this)."""
+        assert self.feed_forward is not None
+        return self.feed_forward
+
     def forward(
-        self,
-        x: torch.Tensor,
-        freqs_cis: torch.Tensor,
-        mask: AttentionMask | None = None,
-        cache: LayerKVCache | None = None,
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: OptMask = None, cache: OptCache = None
     ) -> torch.Tensor:
         # mask and cache by keyword: tensor parallel prepares only (x, freqs_cis).
         h = x + self.attention(self.attention_norm(x), freqs_cis, mask=mask, cache=cache)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + self.ffn()(self.ffn_norm(h))
 
 
 # Parameter-name suffix inside a block -> init kind: "in" (std 0.02), "out" (depth-scaled),
@@ -239,6 +242,13 @@ class Decoder(nn.Module, abc.ABC):
                 h = layer(h, freqs_cis, mask=mask)
             else:
                 h = layer(h, freqs_cis, mask=mask, cache=cache.layer(key))
+        return self._head(h, tokens, freqs_cis, mask, cache)
+
+    def _head(
+        self, h: Tensor, tokens: Tensor, freqs_cis: Tensor, mask: OptMask, cache: KVCache | None
+    ) -> Tensor:
+        """The last block's hidden states ``h`` through the final norm and the output projection
+        (those this stage has); a family with further heads (DeepSeek-V3's MTP) extends it."""
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

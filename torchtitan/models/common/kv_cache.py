@@ -52,6 +52,10 @@ class LayerKVCache:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+OptCache = LayerKVCache | None
+"""A layer's ``cache`` argument: ``None`` outside generation."""
+
+
 class KVCache:
     """The caches of all layers of one model, keyed like ``Transformer.layers``."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from torchtitan.models.common.args import DecoderArgsBase
+from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase
 from torchtitan.models.common.moe import MoEArgs
 
 
@@ -34,15 +34,8 @@ LATENT_NORM_EPS = 1e-6
 
 @dataclass
 class DeepSeekV3Args(DecoderArgsBase):
-    """Shape of a DeepSeek-V3 (or V2) decoder (DeepSeek-V2-Lite's by default)."""
-
-    dim: int = 2048
-    n_layers: int = 27
-    n_heads: int = 16
-    vocab_size: int = 102400
-    norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_seq_len: int = 4096
+    """Shape of a DeepSeek-V3 (or V2) decoder. The published shapes are the flavors
+    (``DEEPSEEK_V3_FLAVORS``); the defaults here are DeepSeek-V2-Lite's where a flavor is silent."""
 
     q_lora_rank: int = 0
     """Rank of the query latent; 0: queries are projected directly (``wq``, V2-Lite)."""
@@ -69,6 +62,10 @@ class DeepSeekV3Args(DecoderArgsBase):
     """Multi-token-prediction modules (each predicts one token further); 0: none."""
     mtp_loss_weight: float = 0.3
     """lambda of the MTP loss ``lambda / D * sum_k CE_k`` (added to the main loss)."""
+
+    norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -151,28 +148,31 @@ class DeepSeekV3Args(DecoderArgsBase):
         return (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_value * self.n_layers
 
 
-def _v3_experts() -> MoEArgs:
-    """DeepSeek-V3's layer: 256 routed experts, top-8 in at most 4 of 8 groups, one shared."""
+def group_routed_experts(
+    experts: tuple[int, int, int], groups: tuple[int, int], route_scale: float, aux_loss_coef: float
+) -> MoEArgs:
+    """DeepSeek-V3's routing: ``experts`` = (routed experts, top-k, width), sigmoid scores, the
+    top-k within the best ``groups[1]`` of ``groups[0]`` groups, one shared expert, routing-bias
+    updates of 0.001."""
+    num_experts, top_k, expert_dim = experts
+    n_groups, topk_groups = groups
     return MoEArgs(
-        num_experts=256,
-        top_k=8,
-        expert_dim=2048,
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_dim=expert_dim,
         num_shared_experts=1,
         score_func="sigmoid",
-        route_scale=2.5,
-        n_groups=8,
-        topk_groups=4,
-        aux_loss_coef=0.0001,
+        route_scale=route_scale,
+        n_groups=n_groups,
+        topk_groups=topk_groups,
+        aux_loss_coef=aux_loss_coef,
         bias_update_rate=0.001,
     )
 
 
 _DEBUG = DeepSeekV3Args(
-    dim=256,
+    **DEBUG_SHAPE,
     n_layers=4,
-    n_heads=8,
-    vocab_size=2048,
-    max_seq_len=2048,
     q_lora_rank=128,
     kv_lora_rank=64,
     qk_nope_head_dim=32,
@@ -180,18 +180,7 @@ _DEBUG = DeepSeekV3Args(
     v_head_dim=32,
     intermediate_size=512,
     n_dense_layers=1,
-    moe=MoEArgs(
-        num_experts=8,
-        top_k=2,
-        expert_dim=128,
-        num_shared_experts=1,
-        score_func="sigmoid",
-        route_scale=1.0,
-        n_groups=2,
-        topk_groups=1,
-        aux_loss_coef=0.001,
-        bias_update_rate=0.001,
-    ),
+    moe=group_routed_experts((8, 2, 128), (2, 1), route_scale=1.0, aux_loss_coef=0.001),
     rope_factor=4.0,
     rope_original_max_seq_len=512,
     rope_mscale=1.0,
@@ -203,6 +192,10 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
     "debugmodel": _DEBUG,
     # DeepSeek-V2-Lite's published shape (deepseek-ai/DeepSeek-V2-Lite config.json): 15.7B.
     "16B": DeepSeekV3Args(
+        dim=2048,
+        n_layers=27,
+        n_heads=16,
+        vocab_size=102400,
         moe=MoEArgs(
             num_experts=64,
             top_k=6,
@@ -226,7 +219,8 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
         q_lora_rank=1536,
         intermediate_size=18432,
         n_dense_layers=3,
-        moe=_v3_experts(),
+        # 256 routed experts, top-8 in at most 4 of 8 groups
+        moe=group_routed_experts((256, 8, 2048), (8, 4), route_scale=2.5, aux_loss_coef=0.0001),
         rope_factor=40.0,
         rope_mscale=1.0,
         rope_mscale_all_dim=1.0,
@@ -237,4 +231,4 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
 """The named shapes. The trainer replaces ``vocab_size`` (tokenizer) and ``max_seq_len``
 (``training.seq_len``)."""
 
-__all__ = ["DEEPSEEK_V3_FLAVORS", "DeepSeekV3Args", "MoEArgs"]
+__all__ = ["DEEPSEEK_V3_FLAVORS", "DeepSeekV3Args", "MoEArgs", "group_routed_experts"]

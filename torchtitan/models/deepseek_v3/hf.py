@@ -25,7 +25,16 @@ import torch
 
 from torchtitan.models.common.hf import ConfigField, ExpertStack, HFConfig, HFMapping
 from torchtitan.models.common.hf import StateDictAdapter as SharedAdapter
-from torchtitan.models.common.hf.decoder import BLOCK_NORMS, DECODER_TOP, SWIGLU, decoder_fields
+from torchtitan.models.common.hf.decoder import (
+    BLOCK_NORMS,
+    DECODER_TOP,
+    SWIGLU,
+    decoder_constants,
+    decoder_fields,
+    heads_of,
+    yarn_from_hf,
+    yarn_to_hf,
+)
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 
@@ -109,15 +118,9 @@ class _RopeSection:
         out: dict[str, Any] = {"q_lora_rank": a.q_lora_rank or None, "rope_interleave": True}
         params: dict[str, Any] = {"rope_type": "default", "rope_theta": a.rope_theta}
         if a.rope_factor != 1.0:
-            params.update(
-                rope_type="yarn",
-                factor=a.rope_factor,
-                original_max_position_embeddings=a.rope_original_max_seq_len,
-                beta_fast=a.rope_beta_fast,
-                beta_slow=a.rope_beta_slow,
-                mscale=a.rope_mscale,
-                mscale_all_dim=a.rope_mscale_all_dim,
-            )
+            yarn = (a.rope_original_max_seq_len, a.rope_beta_fast, a.rope_beta_slow)
+            params.update(yarn_to_hf(a.rope_factor, *yarn))
+            params.update(mscale=a.rope_mscale, mscale_all_dim=a.rope_mscale_all_dim)
         return {**out, "rope_parameters": params, "rope_scaling": params}
 
     def from_hf(self, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -126,11 +129,8 @@ class _RopeSection:
         p = config.get("rope_parameters") or config.get("rope_scaling") or {}
         out: dict[str, Any] = {"q_lora_rank": config.get("q_lora_rank") or 0}
         if p.get("rope_type", p.get("type", "default")) in ("yarn", "deepseek_yarn"):
+            out.update({f"rope_{k}": v for k, v in yarn_from_hf(p).items()})
             out.update(
-                rope_factor=float(p["factor"]),
-                rope_original_max_seq_len=int(p["original_max_position_embeddings"]),
-                rope_beta_fast=float(p.get("beta_fast") or 32),
-                rope_beta_slow=float(p.get("beta_slow") or 1),
                 rope_mscale=float(p.get("mscale") or 0),
                 rope_mscale_all_dim=float(p.get("mscale_all_dim") or 0),
             )
@@ -139,19 +139,9 @@ class _RopeSection:
 
 _CONFIG = HFConfig(
     make_args=DeepSeekV3Args,
-    constants={
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "hidden_act": "silu",
-        "attention_bias": False,
-    },
+    constants=decoder_constants("DeepseekV3ForCausalLM", "deepseek_v3"),
     fields=(
-        *decoder_fields(
-            kv_heads=lambda c: c["num_attention_heads"],
-            norm_eps=1e-6,
-            rope_theta=10000.0,
-            max_seq_len=4096,
-        ),
+        *decoder_fields(kv_heads=heads_of, norm_eps=1e-6, rope_theta=10000.0, max_seq_len=4096),
         ConfigField("intermediate_size", "intermediate_size"),
         ConfigField("kv_lora_rank", "kv_lora_rank"),
         ConfigField("qk_nope_head_dim", "qk_nope_head_dim"),

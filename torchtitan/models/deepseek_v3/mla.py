@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.common.attention import AttentionCore, AttentionMask
-from torchtitan.models.common.kv_cache import LayerKVCache
+from torchtitan.models.common.attention import AttentionCore, OptMask
+from torchtitan.models.common.kv_cache import OptCache
 from torchtitan.models.common.rope import apply_rotary_emb
 from torchtitan.models.deepseek_v3.args import LATENT_NORM_EPS, DeepSeekV3Args
 
@@ -70,11 +70,7 @@ class MLA(nn.Module):
         return self.wq_b(self.q_norm(self.wq_a(x)))
 
     def forward(
-        self,
-        x: torch.Tensor,
-        freqs_cis: torch.Tensor,
-        mask: AttentionMask | None = None,
-        cache: LayerKVCache | None = None,
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: OptMask = None, cache: OptCache = None
     ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1, not n_heads: under tensor parallel the up-projections hold this rank's heads.

@@ -18,13 +18,13 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed.init_weights import ParamInit
-from torchtitan.models.common.attention import AttentionMask, build_attention_mask
-from torchtitan.models.common.decoder import BLOCK_INIT, Decoder, FeedForward
-from torchtitan.models.common.kv_cache import KVCache, LayerKVCache
+from torchtitan.models.common.attention import OptMask
+from torchtitan.models.common.decoder import BLOCK_INIT, Decoder, FeedForward, TransformerBlock
+from torchtitan.models.common.kv_cache import KVCache
 from torchtitan.models.common.moe import MoE, _AttachAuxLoss
 from torchtitan.models.common.rope import (
     YarnScaling,
@@ -36,33 +36,18 @@ from torchtitan.models.deepseek_v3.mla import MLA
 from torchtitan.models.deepseek_v3.mtp import MTPMetrics, MTPModule, mtp_loss
 
 
-class Block(nn.Module):
+class Block(TransformerBlock):
     """Pre-norm block: ``h = x + mla(norm(x)); out = h + ffn(norm(h))``, the feed-forward a
     SwiGLU (``feed_forward``, the first ``n_dense_layers`` blocks) or the MoE layer (``moe``)."""
 
     def __init__(self, layer_id: int, a: DeepSeekV3Args) -> None:
-        super().__init__()
-        self.attention_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
-        self.attention = MLA(a)
-        self.ffn_norm = nn.RMSNorm(a.dim, eps=a.norm_eps)
-        self.feed_forward: FeedForward | None = None
-        self.moe: MoE | None = None
-        if a.moe is not None and a.is_moe_layer(layer_id):
-            self.moe = MoE(a.dim, a.moe)
-        else:
-            self.feed_forward = FeedForward(a.dim, a.intermediate_size)
+        is_moe = a.moe is not None and a.is_moe_layer(layer_id)
+        dense = None if is_moe else FeedForward(a.dim, a.intermediate_size)
+        super().__init__(a.dim, a.norm_eps, MLA(a), dense)
+        self.moe: MoE | None = MoE(a.dim, a.moe) if a.moe is not None and is_moe else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        freqs_cis: torch.Tensor,
-        mask: AttentionMask | None = None,
-        cache: LayerKVCache | None = None,
-    ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis, mask=mask, cache=cache)
-        ffn = self.moe if self.moe is not None else self.feed_forward
-        assert ffn is not None
-        return h + ffn(self.ffn_norm(h))
+    def ffn(self) -> nn.Module:
+        return self.moe if self.moe is not None else super().ffn()
 
 
 _MLA_INIT = {
@@ -148,29 +133,16 @@ class Transformer(Decoder):
                 "set --model.mtp_depth 0 (docs/deepseek_v3.md)"
             )
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-        doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As :meth:`Decoder.forward`; in a training forward (gradients on, no cache) with MTP
-        modules, their loss joins the backward through the returned logits (like the MoE
-        auxiliary loss, ``models/common/moe.py``) and is kept for the metrics."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seqlen = h.shape[1]
-        freqs_cis = self.freqs_cis[:seqlen] if positions is None else self.freqs_cis[positions]
-        mask = None if doc_ids is None else build_attention_mask(doc_ids, self.args.attn_backend)
-        for key, layer in self.layers.items():
-            layer_cache = None if cache is None else cache.layer(key)
-            h = layer(h, freqs_cis, mask=mask, cache=layer_cache)
+    def _head(
+        self, h: Tensor, tokens: Tensor, freqs_cis: Tensor, mask: OptMask, cache: KVCache | None
+    ) -> Tensor:
+        """The shared head; in a training forward (gradients on, no cache) with MTP modules,
+        their loss joins the backward through the returned logits (like the MoE auxiliary loss,
+        ``models/common/moe.py``) and is kept for the metrics."""
         hidden = h
-        if self.norm is not None:
-            h = self.norm(h)
+        logits = super()._head(h, tokens, freqs_cis, mask, cache)
         if self.output is None:
-            return h
-        logits = self.output(h)
+            return logits
         self.mtp_loss = None
         if self.mtp is None or cache is not None or not torch.is_grad_enabled():
             return logits

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from torchtitan.models.common.args import DecoderArgsBase
+from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.rope import YarnScaling
 
@@ -26,16 +26,8 @@ def alternating_layers(n_layers: int) -> tuple[str, ...]:
 
 @dataclass
 class GptOssArgs(DecoderArgsBase):
-    """Shape of a GPT-OSS decoder (gpt-oss-20b's by default)."""
-
-    dim: int = 2880
-    n_layers: int = 24
-    n_heads: int = 64
-    n_kv_heads: int = 8
-    vocab_size: int = 201088
-    norm_eps: float = 1e-5
-    rope_theta: float = 150000.0
-    max_seq_len: int = 131072
+    """Shape of a GPT-OSS decoder. The published shapes are the flavors (``GPT_OSS_FLAVORS``);
+    the defaults here are what both share (``norm_eps`` the base's 1e-5)."""
 
     head_dim: int = 64  # type: ignore[assignment]
     """Width of one attention head (independent of ``dim``)."""
@@ -57,6 +49,10 @@ class GptOssArgs(DecoderArgsBase):
     """Experts clamp the gate to at most this, the up projection to +-this."""
     swiglu_alpha: float = 1.702
     """Experts' gate: ``g * sigmoid(alpha * g)``."""
+
+    n_kv_heads: int = 8
+    rope_theta: float = 150000.0
+    max_seq_len: int = 131072
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -114,18 +110,15 @@ class GptOssArgs(DecoderArgsBase):
 
 
 _DEBUG = GptOssArgs(
-    dim=256,
+    **DEBUG_SHAPE,
     n_layers=4,
-    n_heads=8,
     n_kv_heads=4,
     head_dim=32,
-    vocab_size=2048,
-    max_seq_len=2048,
     moe=MoEArgs(num_experts=8, top_k=2, expert_dim=128),
     sliding_window=32,
     yarn=YarnScaling(8.0, 256, truncate=False),
 )
-_20B = GptOssArgs()
+_20B = GptOssArgs(dim=2880, n_layers=24, n_heads=64, vocab_size=201088)
 
 GPT_OSS_FLAVORS: dict[str, GptOssArgs] = {
     "debugmodel": _DEBUG,

@@ -25,9 +25,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan.models.common.attention import AttentionMask, document_causal_mask_mod
+from torchtitan.models.common.attention import OptMask, document_causal_mask_mod
 from torchtitan.models.common.decoder import Attention
 from torchtitan.models.common.moe_experts import local_weight
+from torchtitan.models.gpt_oss.args import GptOssArgs
 
 __all__ = ["GptOssAttention", "SinkAttentionCore", "allowed_keys"]
 
@@ -111,11 +112,7 @@ class SinkAttentionCore(nn.Module):
         return local_weight(self.sinks)
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: AttentionMask | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: OptMask = None
     ) -> torch.Tensor:
         doc_ids = None if mask is None else mask.doc_ids
         if self.backend == "flex":
@@ -137,17 +134,10 @@ class SinkAttentionCore(nn.Module):
 class GptOssAttention(Attention):
     """The shared GQA attention with biased projections and a :class:`SinkAttentionCore`."""
 
-    def __init__(
-        self,
-        dim: int,
-        n_heads: int,
-        n_kv_heads: int,
-        head_dim: int,
-        window: int | None,
-        backend: str,
-    ) -> None:
-        super().__init__(dim, n_heads, n_kv_heads, head_dim, bias=True)
-        self.core = SinkAttentionCore(n_heads, window, backend)  # type: ignore[assignment]
+    def __init__(self, a: GptOssArgs, layer_id: int) -> None:
+        super().__init__(a.dim, a.n_heads, a.kv_heads, a.head_dim, bias=True)
+        window = a.window(layer_id)
+        self.core = SinkAttentionCore(a.n_heads, window, a.attn_backend)  # type: ignore[assignment]
 
     def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         core = self.core

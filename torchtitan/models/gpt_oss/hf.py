@@ -23,7 +23,10 @@ from torchtitan.models.common.hf.decoder import (
     BLOCK_NORMS,
     DECODER_TOP,
     ROPE_QK,
+    decoder_constants,
     decoder_fields,
+    yarn_from_hf,
+    yarn_to_hf,
 )
 from torchtitan.models.common.hf.mapping import RopeRows
 from torchtitan.models.common.moe import MoEArgs
@@ -39,14 +42,8 @@ class _ShapeSection:
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": a.rope_theta}
         if a.yarn is not None:
             y = a.yarn
-            rope.update(
-                rope_type="yarn",
-                factor=y.factor,
-                beta_fast=y.beta_fast,
-                beta_slow=y.beta_slow,
-                truncate=y.truncate,
-                original_max_position_embeddings=y.original_max_seq_len,
-            )
+            rope.update(yarn_to_hf(y.factor, y.original_max_seq_len, y.beta_fast, y.beta_slow))
+            rope["truncate"] = y.truncate
             if y.attention_factor is not None:
                 rope["attention_factor"] = y.attention_factor
         return {
@@ -79,10 +76,7 @@ class _ShapeSection:
         rope_type = rope.get("rope_type", "default")
         if rope_type == "yarn":
             kwargs["yarn"] = YarnScaling(
-                factor=float(rope["factor"]),
-                original_max_seq_len=int(rope["original_max_position_embeddings"]),
-                beta_fast=float(rope.get("beta_fast") or 32.0),
-                beta_slow=float(rope.get("beta_slow") or 1.0),
+                **yarn_from_hf(rope),
                 truncate=bool(rope.get("truncate", True)),
                 attention_factor=rope.get("attention_factor"),
             )
@@ -95,12 +89,7 @@ class _ShapeSection:
 
 _CONFIG = HFConfig(
     make_args=GptOssArgs,
-    constants={
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "hidden_act": "silu",
-        "attention_bias": True,
-    },
+    constants=decoder_constants("GptOssForCausalLM", "gpt_oss", attention_bias=True),
     fields=(
         *decoder_fields(kv_heads=8, norm_eps=1e-5, rope_theta=150000.0, max_seq_len=131072),
         ConfigField("head_dim", "head_dim", default=64),

@@ -38,14 +38,7 @@ GPT_OSS_INIT: Mapping[str, str] = {
 
 
 def _block(layer_id: int, args: GptOssArgs) -> nn.Module:
-    attention = GptOssAttention(
-        args.dim,
-        args.n_heads,
-        args.kv_heads,
-        args.head_dim,
-        window=args.window(layer_id),
-        backend=args.attn_backend,
-    )
+    attention = GptOssAttention(args, layer_id)
     moe = GptOssMoE(args.dim, args.moe, args.swiglu_limit, args.swiglu_alpha)
     return TransformerBlock(args.dim, args.norm_eps, attention, moe)
 

@@ -13,10 +13,10 @@ from torchtitan.models.common.hf import ConfigField, HFConfig, HFMapping
 from torchtitan.models.common.hf.decoder import (
     ATTENTION,
     BLOCK_NORMS,
-    DECODER_CONSTANTS,
     DECODER_TOP,
     ROPE_QK,
     SWIGLU,
+    decoder_constants,
     decoder_fields,
 )
 from torchtitan.models.llama3.args import ModelArgs
@@ -59,12 +59,7 @@ def _check_swiglu_width(args: ModelArgs, config: Mapping[str, Any]) -> None:
 
 _CONFIG = HFConfig(
     make_args=ModelArgs,
-    constants={
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        **DECODER_CONSTANTS,
-        "mlp_bias": False,
-    },
+    constants=decoder_constants("LlamaForCausalLM", "llama", mlp_bias=False),
     fields=(
         *decoder_fields(kv_heads=None, norm_eps=1e-5, rope_theta=10000.0, max_seq_len=8192),
         ConfigField("head_dim", None, "head_dim"),

@@ -13,23 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from torchtitan.models.common.args import DecoderArgsBase, flavor_table
+from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase, flavor_table
 from torchtitan.models.common.moe import MoEArgs
 
 
 @dataclass
 class Qwen3Args(DecoderArgsBase):
-    """Shape of a Qwen3 (dense or MoE) decoder-only transformer (Qwen3-0.6B's by default)."""
-
-    dim: int = 1024
-    n_layers: int = 28
-    n_heads: int = 16
-    n_kv_heads: int = 8
-    vocab_size: int = 151936
-    # the norm eps also applies to the per-head QK-norms
-    norm_eps: float = 1e-6
-    rope_theta: float = 1000000.0
-    max_seq_len: int = 40960
+    """Shape of a Qwen3 (dense or MoE) decoder-only transformer. The published shapes are the
+    flavors (``QWEN3_FLAVORS``); the defaults here are what every Qwen3 shares."""
 
     head_dim: int = 128  # type: ignore[assignment]
     """Width of one attention head (independent of ``dim`` in Qwen3)."""
@@ -43,6 +34,12 @@ class Qwen3Args(DecoderArgsBase):
     moe_layers: tuple[int, ...] | None = None
     """Block ids whose feed-forward is the MoE layer; ``None``: every block (when ``moe`` is
     set). Qwen3-MoE's ``mlp_only_layers`` are the complement."""
+
+    n_kv_heads: int = 8
+    # the norm eps also applies to the per-head QK-norms
+    norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_seq_len: int = 40960
 
     qk_norm: ClassVar[bool] = True
 
@@ -73,11 +70,7 @@ def _experts(expert_dim: int) -> MoEArgs:
     )
 
 
-_DEBUG = replace(
-    Qwen3Args(dim=256, n_layers=6, n_heads=8, n_kv_heads=4, head_dim=32, vocab_size=2048),
-    intermediate_size=512,
-    max_seq_len=2048,
-)
+_DEBUG = Qwen3Args(**DEBUG_SHAPE, n_layers=6, n_kv_heads=4, head_dim=32, intermediate_size=512)
 _DEBUG_EXPERTS = MoEArgs(
     num_experts=8, top_k=2, expert_dim=128, num_shared_experts=1, aux_loss_coef=0.01
 )
@@ -100,6 +93,7 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
         },
         n_kv_heads=8,
         head_dim=128,
+        vocab_size=151936,
     ),
     **flavor_table(
         Qwen3Args,
@@ -110,6 +104,7 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
         },
         n_kv_heads=4,
         head_dim=128,
+        vocab_size=151936,
     ),
 }
 """The named shapes. The trainer replaces ``vocab_size`` (tokenizer) and ``max_seq_len``

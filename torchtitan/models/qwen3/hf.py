@@ -21,13 +21,14 @@ from torchtitan.models.common.hf import ConfigField, ExpertStack, HFConfig, HFMa
 from torchtitan.models.common.hf.decoder import (
     ATTENTION,
     BLOCK_NORMS,
-    DECODER_CONSTANTS,
     DECODER_TOP,
     QK_NORM,
     ROPE_QK,
     ROPE_QK_NORM,
     SWIGLU,
+    decoder_constants,
     decoder_fields,
+    heads_of,
 )
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3Args
@@ -76,14 +77,9 @@ def _head_dim(config: Mapping[str, Any]) -> int:
 
 _CONFIG = HFConfig(
     make_args=Qwen3Args,
-    constants={"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **DECODER_CONSTANTS},
+    constants=decoder_constants("Qwen3ForCausalLM", "qwen3"),
     fields=(
-        *decoder_fields(
-            kv_heads=lambda c: c["num_attention_heads"],
-            norm_eps=1e-6,
-            rope_theta=1000000.0,
-            max_seq_len=40960,
-        ),
+        *decoder_fields(kv_heads=heads_of, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960),
         ConfigField("head_dim", "head_dim", default=_head_dim),
         ConfigField("intermediate_size", "intermediate_size"),
     ),

@@ -46,6 +46,42 @@ ROPE_QK_NORM: dict[str, TensorTransform] = {name: RopeRows(None) for name in QK_
 DECODER_CONSTANTS = {"hidden_act": "silu", "attention_bias": False}
 
 
+def decoder_constants(architecture: str, model_type: str, **extra: Any) -> dict[str, Any]:
+    """A family's fixed ``config.json`` entries: its class and type, :data:`DECODER_CONSTANTS`
+    and ``extra`` (which may override them)."""
+    return {"architectures": [architecture], "model_type": model_type, **DECODER_CONSTANTS, **extra}
+
+
+def yarn_to_hf(
+    factor: float, original_max_seq_len: int, beta_fast: float, beta_slow: float
+) -> dict[str, Any]:
+    """The YaRN entries of ``rope_parameters`` a family with YaRN RoPE shares (it adds its own)."""
+    return {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": original_max_seq_len,
+        "beta_fast": beta_fast,
+        "beta_slow": beta_slow,
+    }
+
+
+def yarn_from_hf(rope: Any) -> dict[str, Any]:
+    """:func:`yarn_to_hf`'s inverse: ``YarnScaling``'s ``factor``, ``original_max_seq_len``,
+    ``beta_fast`` and ``beta_slow`` from ``rope_parameters`` (betas 32 and 1 when unset)."""
+    return {
+        "factor": float(rope["factor"]),
+        "original_max_seq_len": int(rope["original_max_position_embeddings"]),
+        "beta_fast": float(rope.get("beta_fast") or 32.0),
+        "beta_slow": float(rope.get("beta_slow") or 1.0),
+    }
+
+
+def heads_of(config: Any) -> int:
+    """``decoder_fields``'s ``kv_heads`` default for a family whose configs may omit
+    ``num_key_value_heads``: one key/value head per query head."""
+    return int(config["num_attention_heads"])
+
+
 def _rope_theta(default: float) -> Any:
     # transformers >= 5 writes ``rope_parameters`` (theta included); older ones ``rope_theta``.
     return lambda config: (config.get("rope_parameters") or {}).get("rope_theta", default)
