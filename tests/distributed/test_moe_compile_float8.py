@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.test_compile_float8 import CACHE, FLOAT8, FLOAT8_RTOL
-from tests.distributed.test_qwen3_parity import STEPS, _flavor, _reference
+from tests.distributed.test_qwen3_parity import PARITY, STEPS
 from tests.launcher import run_ranks
 from tests.parity import TINY, _train, assert_losses_match, losses
 
@@ -28,7 +28,16 @@ COMPILE = ["--compile.enable", "--compile.cache_dir", CACHE]
 def _run(overrides: list[str], world: int, dump: Path) -> list[float]:
     """Per-step losses of rank 0; a long timeout: a cold compile on a busy 2-core machine can
     take minutes."""
-    argv = [*TINY, "--training.steps", str(STEPS), *_flavor(MOE), *overrides]
+    argv = [
+        *TINY,
+        "--training.steps",
+        str(STEPS),
+        "--model.name",
+        "qwen3",
+        "--model.flavor",
+        MOE,
+        *overrides,
+    ]
     results = run_ranks(_train, world, argv, str(dump), timeout=900)
     assert results[0] is not None, "rank 0 wrote no metrics"
     return losses(results[0])
@@ -38,7 +47,7 @@ def _run(overrides: list[str], world: int, dump: Path) -> list[float]:
 def test_moe_compile_matches_eager(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
-    eager = losses(_reference(MOE, tmp_path_factory))
+    eager = losses(PARITY.reference(tmp_path_factory, ("--model.flavor", MOE)))
     got = _run([*COMPILE, "--training.local_batch_size", "8"], 1, tmp_path)
     worst = assert_losses_match(eager, got, rtol=1e-5, label="Qwen3-MoE compile, 1 rank")
     assert worst > 0, "compiled losses equal eager bitwise: was anything compiled?"
@@ -48,7 +57,7 @@ def test_moe_compile_matches_eager(
 def test_moe_compile_ep2_matches_eager(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
-    eager = losses(_reference(MOE, tmp_path_factory))
+    eager = losses(PARITY.reference(tmp_path_factory, ("--model.flavor", MOE)))
     ep2 = ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "4"]
     got = _run([*COMPILE, *ep2], 2, tmp_path)
     assert_losses_match(eager, got, rtol=1e-5, label="Qwen3-MoE compile + EP 2")
@@ -57,7 +66,7 @@ def test_moe_compile_ep2_matches_eager(
 def test_moe_float8_trains_close_to_fp32(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
-    fp32 = losses(_reference(MOE, tmp_path_factory))
+    fp32 = losses(PARITY.reference(tmp_path_factory, ("--model.flavor", MOE)))
     got = _run([*FLOAT8, "--training.local_batch_size", "8"], 1, tmp_path)
     worst = assert_losses_match(fp32, got, rtol=FLOAT8_RTOL, label="Qwen3-MoE float8 vs fp32")
     assert worst > 1e-6, "float8 losses equal fp32 exactly: were the attention linears converted?"
