@@ -18,16 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from torchtitan.models.common.hf import ConfigField, HFConfig, HFMapping, OursOnly
-from torchtitan.models.common.hf.decoder import (
-    ATTENTION,
-    BLOCK_NORMS,
-    DECODER_TOP,
-    ROPE_QK,
-    decoder_constants,
-    decoder_fields,
-    yarn_from_hf,
-    yarn_to_hf,
-)
+from torchtitan.models.common.hf import decoder as hf_decoder
 from torchtitan.models.common.hf.mapping import RopeRows
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.rope import YarnScaling
@@ -42,7 +33,9 @@ class _ShapeSection:
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": a.rope_theta}
         if a.yarn is not None:
             y = a.yarn
-            rope.update(yarn_to_hf(y.factor, y.original_max_seq_len, y.beta_fast, y.beta_slow))
+            rope.update(
+                hf_decoder.yarn_to_hf(y.factor, y.original_max_seq_len, y.beta_fast, y.beta_slow)
+            )
             rope["truncate"] = y.truncate
             if y.attention_factor is not None:
                 rope["attention_factor"] = y.attention_factor
@@ -76,7 +69,7 @@ class _ShapeSection:
         rope_type = rope.get("rope_type", "default")
         if rope_type == "yarn":
             kwargs["yarn"] = YarnScaling(
-                **yarn_from_hf(rope),
+                **hf_decoder.yarn_from_hf(rope),
                 truncate=bool(rope.get("truncate", True)),
                 attention_factor=rope.get("attention_factor"),
             )
@@ -89,9 +82,11 @@ class _ShapeSection:
 
 _CONFIG = HFConfig(
     make_args=GptOssArgs,
-    constants=decoder_constants("GptOssForCausalLM", "gpt_oss", attention_bias=True),
+    constants=hf_decoder.decoder_constants("GptOssForCausalLM", "gpt_oss", attention_bias=True),
     fields=(
-        *decoder_fields(kv_heads=8, norm_eps=1e-5, rope_theta=150000.0, max_seq_len=131072),
+        *hf_decoder.decoder_fields(
+            kv_heads=8, norm_eps=1e-5, rope_theta=150000.0, max_seq_len=131072
+        ),
         ConfigField("head_dim", "head_dim", default=64),
         ConfigField("sliding_window", "sliding_window", default=128),
         ConfigField("swiglu_limit", "swiglu_limit", default=7.0),
@@ -116,18 +111,18 @@ _NO_BIAS = (
 )
 
 GPT_OSS_HF = HFMapping(
-    top=DECODER_TOP,
+    top=hf_decoder.DECODER_TOP,
     layer={
-        **ATTENTION,
+        **hf_decoder.ATTENTION,
         **_BIASES,
         "attention.core.sinks": "self_attn.sinks",
-        **BLOCK_NORMS,
+        **hf_decoder.BLOCK_NORMS,
         "feed_forward.router.gate.weight": "mlp.router.weight",
         "feed_forward.router.gate.bias": "mlp.router.bias",
         **_EXPERTS,
     },
     transforms={
-        **ROPE_QK,
+        **hf_decoder.ROPE_QK,
         "attention.wq.bias": RopeRows("n_heads"),
         "attention.wk.bias": RopeRows("kv_heads"),
     },
