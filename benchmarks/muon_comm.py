@@ -11,8 +11,8 @@ Forks ``--ranks`` processes (gloo, one thread each), builds the model of
 it with FSDP (``apply_fsdp``: one unit per block plus the root), gives every parameter a random
 gradient and times ``optimizer.step()`` (after one untimed step that creates the state). Muon's
 collectives are timed through ``CommStats.timed`` (``optim/muon_dist.py``): each is waited for,
-so the time includes waiting for the slower rank. Prints a table of the slowest rank's
-per-step medians; FSDP's own all-gathers and reduce-scatters (the same for both) are not run.
+so the time includes waiting for the slower rank. Prints, per optimizer, the per-step medians
+of its slowest rank; FSDP's own all-gathers and reduce-scatters (the same for both) are not run.
 
 On gloo, DTensor has no all-to-all and falls back to an all-gather and a chunk: each rank then
 receives ``ranks - 1`` times its stacked shard each way, where the "MiB/rank" column gives
@@ -96,11 +96,7 @@ def _rank(rank: int, a: argparse.Namespace, port: int, out: mp.Queue) -> None:
 
 
 def _table(results: list[dict], params: int, a: argparse.Namespace) -> str:
-    """The slowest rank's figure of each column (ms per step)."""
-
-    def worst(name: str, key: str) -> float:
-        return max(r[name][key] for r in results)
-
+    """One row per optimizer: the figures of its slowest rank (ms per step)."""
     shape = f"{a.flavor or 'debugmodel'}" + (f", {a.layers} block(s)" if a.layers else "")
     rows = [
         f"{shape}, {params / 1e6:.1f} M parameters, FSDP {a.ranks} (gloo, 1 thread per rank)",
@@ -108,11 +104,11 @@ def _table(results: list[dict], params: int, a: argparse.Namespace) -> str:
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name in ("AdamW", "Muon"):
-        step, comm, ns = worst(name, "step"), worst(name, "comm"), worst(name, "ns")
-        mib = worst(name, "bytes") / 2**20
+        r = max((res[name] for res in results), key=lambda x: x["step"])
+        step, comm, ns = r["step"], r["comm"], r["ns"]
         rows.append(
             f"| {name} | {step * 1e3:.1f} | {comm * 1e3:.1f} | {ns * 1e3:.1f} | "
-            f"{(step - comm - ns) * 1e3:.1f} | {mib:.2f} |"
+            f"{(step - comm - ns) * 1e3:.1f} | {r['bytes'] / 2**20:.2f} |"
         )
     return "\n".join(rows)
 
