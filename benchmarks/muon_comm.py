@@ -43,18 +43,23 @@ from torchtitan.plan.estimator import model_args_for
 CONFIG = "train_configs/debug_model.toml"
 
 
-def _model(flavor: str | None, layers: int | None, ranks: int) -> torch.nn.Module:
+def _model(flavor: str | None, layers: int | None, ranks: int) -> tuple[torch.nn.Module, dict]:
+    """The FSDP-sharded model and the names of its embedding and output (AdamW under Muon,
+    passed to ``build_optimizer`` as the trainer does)."""
     argv = ["--job.config_file", CONFIG] + (["--model.flavor", flavor] if flavor else [])
     cfg = parse_args(argv)
     args = model_args_for(cfg)
     if layers:
         args = dataclasses.replace(args, n_layers=layers)
     torch.manual_seed(0)
-    model = MODELS[cfg.model.name].build(args)
+    spec = MODELS[cfg.model.name]
+    model = spec.build(args)
+    plan = spec.parallel_plan(args)
+    names = {"output": plan.tensor_parallel.output, "embedding": plan.embedding}
     mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("dp_shard",))
     fp32 = torch.float32
     apply_fsdp(model, list(model.layers.values()), mesh, fp32, fp32, True)  # type: ignore[operator]
-    return model
+    return model, names
 
 
 def _grads(model: torch.nn.Module) -> None:
@@ -62,10 +67,10 @@ def _grads(model: torch.nn.Module) -> None:
         p.grad = torch.randn_like(p) * 1e-3
 
 
-def _time_steps(model: torch.nn.Module, name: str, steps: int) -> dict[str, float]:
+def _time_steps(model: torch.nn.Module, names: dict, name: str, steps: int) -> dict[str, float]:
     cfg = parse_args(["--job.config_file", CONFIG, "--optimizer.name", name])
     o = dataclasses.replace(cfg.optimizer, implementation="foreach", muon_ns_dtype="float32")
-    opt = build_optimizer([model], o)
+    opt = build_optimizer([model], o, **names)
     opt.step()  # creates the state
     comm = getattr(opt, "comm", None)
     step_s, comm_s, ns_s = [], [], []
@@ -87,9 +92,9 @@ def _rank(rank: int, a: argparse.Namespace, port: int, out: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHTITAN_DEVICE="cpu")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=a.ranks)
-    model = _model(a.flavor, a.layers, a.ranks)
+    model, names = _model(a.flavor, a.layers, a.ranks)
     _grads(model)
-    res = {name: _time_steps(model, name, a.steps) for name in ("AdamW", "Muon")}
+    res = {name: _time_steps(model, names, name, a.steps) for name in ("AdamW", "Muon")}
     n = sum(p.numel() for p in model.parameters())  # DTensors: the global sizes
     out.put((rank, res, n))
     dist.destroy_process_group()
