@@ -4,6 +4,7 @@ groups (kinds, default decay, rules, errors) and their per-group schedules (docs
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -258,3 +259,22 @@ def test_estimator_counts_one_muon_buffer_and_the_gathers() -> None:
     roots = (2 * vocab * dim + dim) // 8
     assert 2 * est["Muon"].optimizer_states - est["AdamW"].optimizer_states == 8 * roots
     assert any("Muon" in n and "gathers" in n for n in est["Muon"].notes)
+
+
+def test_explain_prints_the_muon_gather_buffer() -> None:
+    """``--job.explain`` prints the estimate's notes: under Muon the gather buffer, with the
+    same byte figure the estimator computed."""
+    from torchtitan.config.manager import parse_args
+    from torchtitan.plan.estimator import estimate_memory
+    from torchtitan.plan.explain import explain
+
+    argv = ["--job.config_file", "train_configs/debug_model.toml", "--optimizer.name", "Muon"]
+    cfg = parse_args(argv)
+    note = next(n for n in estimate_memory(cfg, 2, device_type="cpu").notes if "Muon" in n)
+    lines = explain(cfg, 2, device_type="cpu").splitlines()
+    start = lines.index("memory notes:")
+    assert f"  - {note}" in lines[start + 1 :]
+    size = re.search(r"its step gathers up to ([0-9.]+) (\w+) of matrices", note)
+    assert size is not None and float(size.group(1)) > 0, note
+    adamw = explain(parse_args(argv[:2]), 2, device_type="cpu")
+    assert "gathers" not in adamw

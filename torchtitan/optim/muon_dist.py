@@ -11,14 +11,20 @@ and a rank sends and receives ``2 (ways - 1) / ways`` of its shard bytes per ste
 all-gather per matrix would receive ``(ways - 1)`` times them and orthogonalise every matrix on
 every rank. Dimensions before the last two are batch dimensions (experts): a tensor sharded only
 there (EP, FSDP over ``efsdp`` on the expert dimension) is orthogonalised where it lies.
+
+With ``CommStats.timed`` set (``benchmarks/muon_comm.py``) each collective is waited for and the
+seconds spent in the collectives and in Newton-Schulz are added up; off by default, since the
+wait removes any overlap of the return collective with what follows.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
@@ -27,10 +33,34 @@ NS = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class CommStats:
-    """Bytes this rank moved for the orthogonalisation (sent; received is the same)."""
+    """Bytes this rank moved for the orthogonalisation (sent; received is the same) and, when
+    ``timed``, the seconds of its collectives (including waiting for the other ranks) and of
+    Newton-Schulz on the whole matrices."""
 
     bytes_sent: int = 0
     steps: int = 0
+    timed: bool = False
+    comm_s: float = 0.0
+    ns_s: float = 0.0
+
+
+def _redistribute(t: DTensor, placements: list[Placement], stats: CommStats) -> torch.Tensor:
+    """``t`` moved to ``placements``, its local tensor; waited for and timed under ``timed``."""
+    if not stats.timed:
+        return t.redistribute(t.device_mesh, placements).to_local()
+    t0 = time.perf_counter()
+    out = t.redistribute(t.device_mesh, placements).to_local()
+    if isinstance(out, AsyncCollectiveTensor):
+        out = out.wait()
+    stats.comm_s += time.perf_counter() - t0
+    return out
+
+
+def _timed_ns(x: torch.Tensor, ns: NS, stats: CommStats) -> torch.Tensor:
+    t0 = time.perf_counter()
+    out = ns(x)
+    stats.ns_s += time.perf_counter() - t0
+    return out
 
 
 def _matrix_sharded(p: Placement, ndim: int) -> bool:
@@ -91,10 +121,11 @@ def _gathered(updates: list[DTensor], ns: NS, comm_dtype: torch.dtype, stats: Co
     local = torch.stack(locals_)
     shape = torch.Size((len(locals_), *first.shape))
     stacked = DTensor.from_local(local, mesh, stacked_pl, shape=shape, stride=_contiguous(shape))
-    ortho = stacked.redistribute(mesh, whole_pl).to_local()
-    ortho = ns(ortho.reshape(-1, *ortho.shape[-2:])).reshape(ortho.shape).to(comm_dtype)
+    ortho = _redistribute(stacked, whole_pl, stats)
+    flat = _timed_ns(ortho.reshape(-1, *ortho.shape[-2:]), ns, stats)
+    ortho = flat.reshape(ortho.shape).to(comm_dtype)
     back = DTensor.from_local(ortho, mesh, whole_pl, shape=shape, stride=_contiguous(shape))
-    back_local = back.redistribute(mesh, stacked_pl).to_local()
+    back_local = _redistribute(back, stacked_pl, stats)
     if even:  # an all-to-all each way
         stats.bytes_sent += 2 * local.numel() * local.element_size() * (ways - 1) // ways
     else:  # an all-gather: receives (ways - 1) x the shard, sends it as many times
@@ -125,7 +156,7 @@ def orthogonalize(
     buckets: dict[tuple, list[int]] = {}
     for i, u in enumerate(updates):
         if _stays_local(u):
-            out[i] = _local(u, ns)
+            out[i] = _local(u, lambda x: _timed_ns(x, ns, stats))
         else:
             assert isinstance(u, DTensor)
             buckets.setdefault(_bucket_key(u), []).append(i)

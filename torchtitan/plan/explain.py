@@ -3,7 +3,8 @@
 Printed by ``python -m torchtitan.train`` (then it exits 0 without training) and by
 ``python -m torchtitan.config`` (after the resolved TOML): the device mesh with every axis, the
 batch and tokens each rank sees, gradient accumulation, pipeline stages and bubble, the memory
-estimate, and warnings about choices that usually cost speed or memory.
+estimate with its notes (what the estimator assumed: Muon's gather buffers, CPU offload's host
+memory, LoRA's frozen base, ...), and warnings about choices that usually cost speed or memory.
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def memory_levers_line(cfg: JobConfig, est: MemoryEstimate) -> str:
         if on
         else "none (python -m torchtitan.plan proposes them when a layout does not fit)"
     )
+
+
+def estimate_notes(est: MemoryEstimate) -> list[str]:
+    """The estimator's notes (docs/memory.md), one indented line each; none when it made none."""
+    if not est.notes:
+        return []
+    return ["memory notes:", *(f"  - {n}" for n in est.notes)]
 
 
 def explain(
@@ -138,6 +146,7 @@ def explain(
     add("memory per rank (estimate):")
     add("\n".join("  " + line for line in est.table().splitlines()))
     add(memory_levers_line(cfg, est))
+    lines.extend(estimate_notes(est))
     warnings += _warnings(cfg, dims, est, accum, device_type, device_memory_bytes)
     if warnings:
         add("warnings:")
