@@ -14,24 +14,15 @@ import pytest
 
 import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
 from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
+from tests.distributed.parity_cases import FamilyParity
 from tests.launcher import run_ranks
 from tests.parity import assert_losses_match, losses, train_metrics
 
 STEPS = 10
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
-_REF: dict[str, list[float]] = {}
-
-
-def _reference(model: str, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    if model not in _REF:
-        extra = MOE if model == "moe" else []
-        dump = tmp_path_factory.mktemp(f"muon_ref_{model}")
-        argv = [*MUON, *extra, "--training.local_batch_size", "8"]
-        _REF[model] = losses(train_metrics(argv, 1, dump, STEPS))
-        first, last = _REF[model][0], _REF[model][-1]
-        assert last < first - 0.3, f"Muon reference loss did not fall: {first:.3f} -> {last:.3f}"
-    return _REF[model]
+# One-process references per model, cached per session; each loss must fall by 0.3.
+PARITY = FamilyParity(MUON, STEPS)
 
 
 LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
@@ -75,7 +66,7 @@ def test_muon_matches_single_process(
     layout: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
     model, world, overrides = LAYOUTS[layout]
-    ref = _reference(model, tmp_path_factory)
+    ref = losses(PARITY.reference(tmp_path_factory, tuple(MOE) if model == "moe" else ()))
     got = losses(train_metrics([*MUON, *overrides], world, tmp_path, STEPS))
     assert_losses_match(ref, got, rtol=1e-5, label=f"Muon {layout}")
 
