@@ -13,8 +13,10 @@ checkpoint's pages are evicted before every import. One JSON line per run: per-r
 shard bytes, peak RSS (``ru_maxrss``) and its growth over the rank's RSS before the import,
 wall time, GB/s and the ratio to the disk's read (import) or write (export) bandwidth.
 
-Free disk is checked first (``shutil.disk_usage``): when the checkpoint, its export and the
-bandwidth file do not fit with 10% to spare, a smaller flavor is used and the line says so.
+Free disk and memory are checked first (``shutil.disk_usage``, ``MemAvailable``): when the
+checkpoint and its export do not fit the disk with 10% to spare, or the ranks' shards (the
+model once) plus 1 GiB per rank do not fit the available memory, a smaller flavor is used and
+the line says so.
 Everything written is deleted at the end (``--keep`` keeps the checkpoint).
 """
 
@@ -189,15 +191,34 @@ def run(world: int, folder: Path, flavor: str) -> list[dict]:
     return [results[r] for r in range(world)]
 
 
+def _mem_available() -> int:
+    """The kernel's estimate of memory available without swapping (MemAvailable), bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 1 << 62  # not Linux: no limit known
+
+
 def choose_flavor(wanted: str, folder: Path, max_ranks: int) -> tuple[str, str]:
-    """The largest flavor from ``wanted`` down whose files fit the free disk, and why."""
-    free = shutil.disk_usage(folder).free
+    """The largest flavor from ``wanted`` down whose files fit the free disk and whose ranks
+    fit the available memory, and why a smaller one was taken.
+
+    Disk: the checkpoint and its export are on disk together (the bandwidth file is deleted
+    before the first import), with 10% to spare. Memory: the ranks together hold the whole
+    model once (bf16 shards) plus about 1 GiB each (the process and one tensor in flight).
+    """
+    free, avail = shutil.disk_usage(folder).free, _mem_available()
     order = FALLBACK[FALLBACK.index(wanted) :] if wanted in FALLBACK else [wanted, *FALLBACK[1:]]
     for flavor in order:
-        need = 3 * 2 * MODELS["llama3"].num_params(MODELS["llama3"].flavors[flavor]) * 1.1
-        if need < free:
-            note = "" if flavor == wanted else f"{wanted} needs more than {free / 1e9:.0f} GB free"
-            return flavor, note
+        ckpt = 2 * MODELS["llama3"].num_params(MODELS["llama3"].flavors[flavor])  # bf16
+        disk_need, mem_need = 2 * ckpt * 1.1, ckpt + max_ranks * (1 << 30)
+        if disk_need < free and mem_need < avail:
+            if flavor == wanted:
+                return flavor, ""
+            return (
+                flavor,
+                f"{wanted} needs more than {free / 1e9:.0f} GB free disk or {avail / 1e9:.0f} GB memory",
+            )
     raise SystemExit(f"{folder}: {free / 1e9:.1f} GB free is too little even for debugmodel")
 
 

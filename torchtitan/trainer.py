@@ -232,15 +232,7 @@ class Trainer:
             embedding=plan.embedding,
             strict=not self.parallel_dims.pp_enabled,  # a stage may hold none of a rule's
         )
-        self.lr_scheduler = build_lr_scheduler(
-            self.optimizer,
-            total_steps=t.steps,
-            warmup_steps=s.warmup_steps,
-            warmup_start_factor=s.warmup_start_factor,
-            decay_ratio=s.decay_ratio,
-            decay_type=s.decay_type,
-            min_lr_factor=s.min_lr_factor,
-        )
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, s, total_steps=t.steps)
         f8 = self.cfg.quantize.dense.float8
         if (
             f8.enable

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.config.job_config import JobConfig, Optimizer, OptimizerGroup
+from torchtitan.config.job_config import JobConfig, LRScheduler, Optimizer, OptimizerGroup
 from torchtitan.models import MODELS
 from torchtitan.optim.lr_scheduler import build_lr_scheduler
 from torchtitan.optim.optimizer import build_optimizer, named_params
@@ -230,8 +230,8 @@ def test_each_group_follows_the_schedule_times_its_multiplier() -> None:
         OptimizerGroup(kinds=["output"], lr_mult=3.0),
     ]
     opt = _toy_optimizer(model, groups=rules)
-    sched = build_lr_scheduler(opt, total_steps=10, warmup_steps=2, warmup_start_factor=0.0,
-                               decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1)  # fmt: skip
+    schedule = LRScheduler(warmup_steps=2, decay_ratio=0.5, decay_type="cosine", min_lr_factor=0.1)
+    sched = build_lr_scheduler(opt, schedule, total_steps=10)
     seen = []
     for _ in range(10):
         base = {g["group"]: g["lr"] / g["lr_mult"] for g in opt.param_groups}

@@ -36,6 +36,13 @@ _FALSE = {"false", "0", "no", "off"}
 
 
 # --------------------------------------------------------------------------- schema helpers
+# int and float fields: the TOML types each accepts, and the rule a bad value breaks
+_NUMBERS: dict[type, tuple[tuple[type, ...], str]] = {
+    int: ((int,), "must be an integer"),
+    float: ((int, float), "must be a number"),
+}
+
+
 @cache
 def field_docs(cls: Any) -> dict[str, str]:
     """Attribute docstrings (the string literal right after each field) of a dataclass."""
@@ -117,24 +124,16 @@ def _convert(path: str, raw: Any, tp: Any, from_cli: bool) -> Any:
         if from_cli and str(raw).lower() in _TRUE | _FALSE:
             return str(raw).lower() in _TRUE
         raise bad("must be a boolean (true/false)")
-    if inner is int:
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
+    if inner in _NUMBERS:
+        numbers, rule = _NUMBERS[inner]
+        if isinstance(raw, numbers) and not isinstance(raw, bool):
+            return inner(raw)
         if from_cli:
             try:
-                return int(str(raw))
+                return inner(str(raw))
             except ValueError:
                 pass
-        raise bad("must be an integer")
-    if inner is float:
-        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-            return float(raw)
-        if from_cli:
-            try:
-                return float(str(raw))
-            except ValueError:
-                pass
-        raise bad("must be a number")
+        raise bad(rule)
     if inner is str:
         if isinstance(raw, str):
             return raw
