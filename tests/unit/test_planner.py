@@ -192,3 +192,30 @@ def test_config_explain_appends_the_plan_to_the_toml(capsys: pytest.CaptureFixtu
     assert "dp_shard = 2" in out and "warnings: none" in out
     # 6.2 M parameters: fp32 shards of half of them, two AdamW moments.
     assert "parameters: 11.8 MiB" in out and "optimizer states: 23.5 MiB" in out
+
+
+@pytest.mark.parametrize(
+    ("layout", "term"),
+    [
+        (dict(dp_replicate=8, dp_shard=1, pp=1, local_batch_size=1), "fsdp_total"),
+        (dict(dp_replicate=1, dp_shard=4, pp=2, local_batch_size=2), "pp_p2p"),
+    ],
+)
+def test_groups_inside_one_node_use_its_links_not_the_network(layout: dict, term: str) -> None:
+    """DDP's all-reduce and the pipeline's sends stay inside the node while the whole mesh
+    fits in it: a slower network changes nothing; spread over 8 nodes, it does."""
+    from torchtitan.plan.cost_model import step_time
+    from torchtitan.plan.layout import Layout
+
+    cfg = parse_args(["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml")])
+    args = model_args_for(cfg, vocab_size=VOCAB)
+    lay = Layout(tp=1, cp=1, ac_mode="full", ac_option="", global_batch_size=8, **layout)
+    if lay.pp > 1:
+        lay = Layout(**{**lay.__dict__, "microbatches": 2})
+
+    def term_s(**hw: float) -> float:
+        return step_time(cfg, args, lay, Hardware(memory_gib=80, **hw), 8)[1][term]
+
+    assert term_s() > 0
+    assert term_s(inter_node_gbps=0.1) == term_s()
+    assert term_s(inter_node_gbps=0.1, gpus_per_node=1) > 10 * term_s(gpus_per_node=1)

@@ -149,15 +149,17 @@ def step_time(
         gather_s += gathers * _collective_s(experts_rank * act, efsdp, hw, shard_spans)
         reduce_s += reduces * _collective_s(experts_rank * grad_bytes, efsdp, hw, shard_spans)
     if layout.dp_replicate > 1:  # all-reduce of the gradient shards across replicas
+        # the replicas are outside tp x shard in the mesh: inside one node while all of it fits
+        rep_spans = layout.tp * n_shard * layout.dp_replicate > g
         reduce_s += 2 * _collective_s(
             (params_rank / n_shard + experts_rank / efsdp) * grad_bytes,
             layout.dp_replicate,
             hw,
-            True,
+            rep_spans,
         )
         # per FSDP unit under HSDP; pure DDP (replicate of the whole model) is one all-reduce
         if n_shard > 1:
-            reduce_s += 2 * _latencies_s(units - 1, layout.dp_replicate, hw, True)
+            reduce_s += 2 * _latencies_s(units - 1, layout.dp_replicate, hw, rep_spans)
     fsdp_total = gather_s + reduce_s
     work = compute + recompute + tp_gemm
     fsdp = max(0.0, fsdp_total - hw.fsdp_overlap * work)
@@ -189,8 +191,15 @@ def step_time(
         # microbatch's forward and the pipeline fill.
         fsdp = reduce_s + max(0.0, gather_s - hw.fsdp_overlap * (work / mb + bubble))
         boundary = tokens_group / mb * a.dim / layout.tp * act
-        # a send and a receive per microbatch and local stage, forward and backward
-        pp_p2p = 2 * mb * v * (boundary / (hw.inter_node_gbps * 1e9) + hw.inter_latency_us * 1e-6)
+        # a send and a receive per microbatch and local stage, forward and backward; the
+        # slowest neighbour pair sets the pace: across nodes once the whole mesh spans them
+        inner = layout.tp * n_shard * layout.dp_replicate
+        bw, lat = (
+            (hw.inter_node_gbps, hw.inter_latency_us)
+            if inner * layout.pp > g
+            else (hw.intra_node_gbps, hw.intra_latency_us)
+        )
+        pp_p2p = 2 * mb * v * (boundary / (bw * 1e9) + lat * 1e-6)
     terms = {
         "compute": compute,
         "recompute": recompute,
