@@ -15,7 +15,7 @@ wall time, GB/s and the ratio to the disk's read (import) or write (export) band
 
 Free disk and memory are checked first (``shutil.disk_usage``, ``MemAvailable``): when the
 checkpoint and its export do not fit the disk with 10% to spare, or the ranks' shards (the
-model once) plus 1 GiB per rank do not fit the available memory, a smaller flavor is used and
+model once) plus 0.5 GiB per rank do not fit the available memory, a smaller flavor is used and
 the line says so.
 Everything written is deleted at the end (``--keep`` keeps the checkpoint).
 """
@@ -205,13 +205,13 @@ def choose_flavor(wanted: str, folder: Path, max_ranks: int) -> tuple[str, str]:
 
     Disk: the checkpoint and its export are on disk together (the bandwidth file is deleted
     before the first import), with 10% to spare. Memory: the ranks together hold the whole
-    model once (bf16 shards) plus about 1 GiB each (the process and one tensor in flight).
+    model once (bf16 shards) plus about 0.5 GiB each (the process and one tensor in flight).
     """
     free, avail = shutil.disk_usage(folder).free, _mem_available()
     order = FALLBACK[FALLBACK.index(wanted) :] if wanted in FALLBACK else [wanted, *FALLBACK[1:]]
     for flavor in order:
         ckpt = 2 * MODELS["llama3"].num_params(MODELS["llama3"].flavors[flavor])  # bf16
-        disk_need, mem_need = 2 * ckpt * 1.1, ckpt + max_ranks * (1 << 30)
+        disk_need, mem_need = 2 * ckpt * 1.1, ckpt + max_ranks * (1 << 29)
         if disk_need < free and mem_need < avail:
             if flavor == wanted:
                 return flavor, ""

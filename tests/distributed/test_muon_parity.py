@@ -25,34 +25,16 @@ MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 PARITY = FamilyParity(MUON, STEPS)
 
 
+_P = "--parallelism."
+# layout -> (model, ranks, overrides); the local batch keeps the global batch at 8 sequences
 LAYOUTS: dict[str, tuple[str, int, list[str]]] = {
     "FSDP 2": ("dense", 2, ["--training.local_batch_size", "4"]),
-    "HSDP 2x2": (
-        "dense",
-        4,
-        ["--parallelism.data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"],
-    ),
-    "TP 2": (
-        "dense",
-        2,
-        ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "8"],
-    ),
-    "FSDP 2 x TP 2": (
-        "dense",
-        4,
-        ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
-    ),
-    "PP 2": (
-        "dense",
-        2,
-        ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "8"],
-    ),
-    "EP 2 x FSDP 2": (
-        "moe",
-        4,
-        [*MOE, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"],
-    ),
-}
+    "HSDP 2x2": ("dense", 4, [_P + "data_parallel_replicate_degree", "2", "--training.local_batch_size", "2"]),
+    "TP 2": ("dense", 2, [_P + "tensor_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    "FSDP 2 x TP 2": ("dense", 4, [_P + "tensor_parallel_degree", "2", "--training.local_batch_size", "4"]),
+    "PP 2": ("dense", 2, [_P + "pipeline_parallel_degree", "2", "--training.local_batch_size", "8"]),
+    "EP 2 x FSDP 2": ("moe", 4, [*MOE, _P + "expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(

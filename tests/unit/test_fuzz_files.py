@@ -87,26 +87,24 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield root
 
 
-def data_case(work: Path, name: str, data: bytes) -> None:
-    folder = work / "data"
+def _file_case(work: Path, folder_name: str, field: str, name: str, data: bytes) -> None:
+    """``data`` as the file ``field`` names: the property holds and nothing else changes."""
+    folder = work / folder_name
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
     (folder / name).write_bytes(data)
     before = snapshot(work)
-    argv = ["--job.config_file", DEBUG_TOML, "--training.dataset_path", str(folder / name)]
+    argv = ["--job.config_file", DEBUG_TOML, field, str(folder / name)]
     assert_config_property(argv + ["--job.dump_folder", str(work / "out")])
     assert snapshot(work) == before
+
+
+def data_case(work: Path, name: str, data: bytes) -> None:
+    _file_case(work, "data", "--training.dataset_path", name, data)
 
 
 def tokenizer_case(work: Path, name: str, data: bytes) -> None:
-    folder = work / "tok"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir()
-    (folder / name).write_bytes(data)
-    before = snapshot(work)
-    argv = ["--job.config_file", DEBUG_TOML, "--model.tokenizer_path", str(folder / name)]
-    assert_config_property(argv + ["--job.dump_folder", str(work / "out")])
-    assert snapshot(work) == before
+    _file_case(work, "tok", "--model.tokenizer_path", name, data)
 
 
 TOKENIZERS = st.one_of(

@@ -158,31 +158,15 @@ def test_wandb_writer_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_build_writers_layout(tmp_path: Path) -> None:
-    assert (
-        build_writers(
-            str(tmp_path),
-            enable_jsonl=True,
-            enable_tensorboard=True,
-            enable_wandb=False,
-            tb_folder="tb",
-            rank=1,
-            write_this_rank=False,
-            config_dict=None,
+    def writers_of(rank: int, write_this_rank: bool) -> list:
+        return build_writers(
+            str(tmp_path), enable_jsonl=True, enable_tensorboard=True, enable_wandb=False,
+            tb_folder="tb", rank=rank, write_this_rank=write_this_rank, config_dict=None,
             run_name=None,
-        )
-        == []
-    )
-    writers = build_writers(
-        str(tmp_path),
-        enable_jsonl=True,
-        enable_tensorboard=True,
-        enable_wandb=False,
-        tb_folder="tb",
-        rank=3,
-        write_this_rank=True,
-        config_dict=None,
-        run_name=None,
-    )
+        )  # fmt: skip
+
+    assert writers_of(1, write_this_rank=False) == []
+    writers = writers_of(3, write_this_rank=True)
     assert [type(w).__name__ for w in writers] == ["JsonlWriter", "TensorBoardWriter"]
     assert all(isinstance(w, MetricWriter) for w in writers)
     for w in writers:
