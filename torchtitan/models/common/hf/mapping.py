@@ -10,14 +10,14 @@ so HF -> ours -> HF is bit-identical.
 
 Each transform also says which source bytes a *box* of our tensor needs (``from_hf_box``: one
 ``slice(start, stop)`` per dimension, e.g. the rows of this rank's FSDP shard), so a rank can
-read only what it owns from lazily opened files (docs/hf_io.md): RoPE rows are permuted within
-a head, so the heads the box touches are read, permuted and cut; an expert box reads only its
-experts' rows and columns.
+read only what it owns from lazily opened files (docs/hf_io.md): exactly the box's bytes. RoPE
+rows are permuted within a head: whole heads are read in one run and permuted, a head the box
+cuts in two runs (its even and its odd rows); an expert box reads only its experts' rows and
+columns.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -105,13 +105,44 @@ class RopeRows:
     def from_hf_box(
         self, read: ReadBox, box: Box, shape: tuple[int, ...], args: Any
     ) -> torch.Tensor:
-        """The rows of the heads ``box`` touches are read, permuted, then cut to the box."""
+        """Exactly the box's bytes: its whole heads in one read, then permuted; a head the box
+        cuts (an FSDP shard boundary inside a head) by two reads, one per half of the head."""
         head_dim = shape[0] // self._n_heads(args)
-        rows = box[0]
-        h0, h1 = rows.start // head_dim, math.ceil(rows.stop / head_dim)
-        w = read((slice(h0 * head_dim, h1 * head_dim), *box[1:]))
-        w = self._apply(w, h1 - h0, interleave_rows)
-        return w[rows.start - h0 * head_dim : rows.stop - h0 * head_dim]
+        rows, cols = box[0], box[1:]
+        pieces = []
+        for a, b in _head_spans(rows.start, rows.stop, head_dim):
+            if a % head_dim == 0 and b % head_dim == 0:
+                w = read((slice(a, b), *cols))
+                pieces.append(self._apply(w, (b - a) // head_dim, interleave_rows))
+            else:
+                pieces.append(_part_of_head(read, a, b, head_dim, cols))
+        return torch.cat(pieces)
+
+
+def _head_spans(start: int, stop: int, head_dim: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` cut at the head boundaries into (part of a head, whole heads, part
+    of a head), empty spans left out."""
+    first = min(stop, -(-start // head_dim) * head_dim)
+    last = max(first, stop // head_dim * head_dim)
+    return [(a, b) for a, b in ((start, first), (first, last), (last, stop)) if b > a]
+
+
+def _part_of_head(read: ReadBox, start: int, stop: int, head_dim: int, cols: Box) -> torch.Tensor:
+    """Our rows ``[start, stop)`` inside one head: our row ``2i + j`` is the HF row
+    ``j * head_dim / 2 + i`` of the head, so the even and the odd rows are each one
+    contiguous run of HF rows."""
+    base, half = start // head_dim * head_dim, head_dim // 2
+    a, b = start - base, stop - base
+    runs = [(j, (a - j + 1) // 2, (b - j + 1) // 2) for j in (0, 1)]
+    parts = [
+        (j, i0, read((slice(base + j * half + i0, base + j * half + i1), *cols)))
+        for j, i0, i1 in runs
+        if i1 > i0
+    ]
+    out = parts[0][2].new_empty((b - a, *parts[0][2].shape[1:]))
+    for j, i0, w in parts:
+        out[2 * i0 + j - a :: 2] = w
+    return out
 
 
 @dataclass(frozen=True)
