@@ -106,6 +106,7 @@ def measure_hardware():  # type: ignore[no-untyped-def]
     opt_t = torch.tensor([statistics.median(opt_s[1:])])
     dist.all_reduce(opt_t, op=dist.ReduceOp.MAX)
     optimizer_gbps = param.numel() * 16 / float(opt_t) / 1e9
+    sync = _sync_seconds()
     gbps = out.numel() * 4 * (WORLD - 1) / WORLD / max(gather - latency, 1e-9) / 1e9
     # one host: a group "across nodes" is on the same host too
     return dataclasses.replace(
@@ -117,7 +118,40 @@ def measure_hardware():  # type: ignore[no-untyped-def]
         inter_latency_us=round(latency * 1e6, 1),
         reduce_scatter_factor=round(scatter / gather, 2),
         optimizer_gbps=round(optimizer_gbps, 3),
+        sync_us=round(sync * 1e6, 1),
     )
+
+
+def _sync_seconds(n: int = 40) -> float:
+    """What a collective costs between two computations beyond the same collective back to
+    back: the ranks' skew (the later one sets the pace) and the waiting rank's wake-up.
+
+    Three loops of ``n``: a ~1 ms matmul alone, a small all-reduce alone, and the two
+    alternating, as a tensor-parallel block alternates them; the median of five repeats of
+    (alternating - matmul - all-reduce) / n, the larger of the two ranks' figures."""
+    import torch
+    import torch.distributed as dist
+
+    a, b, small = torch.randn(256, 512), torch.randn(512, 512), torch.ones(1)
+
+    def loop(compute: bool, collective: bool) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            if compute:
+                a @ b
+            if collective:
+                dist.all_reduce(small)
+        return time.perf_counter() - t0
+
+    loop(True, True)  # warm-up
+    found = []
+    for _ in range(5):
+        both, alone, coll = loop(True, True), loop(True, False), loop(False, True)
+        found.append(max(0.0, both - alone - coll) / n)
+    t = torch.tensor([statistics.median(found)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
 
 
 def layouts_for(cfg, hw):  # type: ignore[no-untyped-def]

@@ -82,6 +82,27 @@ def _norms() -> dict[str, float]:
     out["pp"] = clip_grad_norm_([param(stage)], 0.0, pp_mesh=mesh_b).item()
     out["pp_want"] = math.sqrt(4 * 1 + 4 * 4)
     out["pp_inf"] = clip_grad_norm_([param(stage)], 0.0, norm_type=math.inf, pp_mesh=mesh_b).item()
+
+    # One all-reduce completes every gradient sharded over the same mesh axis (not one each).
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: (calls.append(1), real(t, *a, **k))[1]  # type: ignore[assignment]
+    many = [
+        DTensor.from_local(torch.randn(4, generator=gen), mesh_a, [Shard(0)]) for _ in range(40)
+    ]
+    # Five pending sums (sequence-parallel norm weights') reduced together, then replicated.
+    partials = [
+        DTensor.from_local(torch.full((3,), float(rank + i)), mesh_a, [Partial()]) for i in range(5)
+    ]
+    try:
+        clip_grad_norm_([param(g) for g in many], 0.0)
+        out["all_reduces_for_40"] = len(calls)
+        calls.clear()
+        out["partial_norm"] = clip_grad_norm_([param(g) for g in partials], 0.0).item()
+        out["all_reduces_for_5_partial"] = len(calls)
+    finally:
+        dist.all_reduce = real
+    out["partial_want"] = math.sqrt(sum(3 * (2 * i + 1) ** 2 for i in range(5)))
     return out
 
 
@@ -96,3 +117,6 @@ def test_total_norm_and_clipping_across_meshes_and_stages() -> None:
         assert math.isclose(r["clip_ratio_partial"], 0.5, rel_tol=1e-4), (rank, r)
         assert math.isclose(r["pp"], r["pp_want"], rel_tol=1e-6), (rank, r)
         assert r["pp_inf"] == 2.0, (rank, r)
+        assert r["all_reduces_for_40"] == 1, (rank, r)
+        assert r["all_reduces_for_5_partial"] == 1, (rank, r)
+        assert math.isclose(r["partial_norm"], r["partial_want"], rel_tol=1e-6), (rank, r)

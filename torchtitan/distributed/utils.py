@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
 import torch
@@ -135,32 +135,64 @@ def _mesh_of(t: torch.Tensor | None) -> DeviceMesh | None:
     return t.device_mesh if isinstance(t, DTensor) else None
 
 
-def _combine_norms(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    stacked = torch.stack(norms)
-    if math.isinf(norm_type):
-        return stacked.max()
-    return torch.linalg.vector_norm(stacked, norm_type)
+def _local_terms(
+    grads: list[torch.Tensor], norm_type: float, foreach: bool | None
+) -> dict[tuple[DeviceMesh | None, tuple[int, ...]], torch.Tensor]:
+    """Each gradient's local share of the norm (sum of ``|x|^p``, or ``max |x|``), in fp32,
+    summed per (mesh, axes its shards must be combined over)."""
+    groups: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
+    for g in grads:
+        if isinstance(g, DTensor):
+            axes = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            groups.setdefault((g.device_mesh, axes), []).append(g.to_local())
+        else:
+            groups.setdefault((None, ()), []).append(g)
+    terms = {}
+    for key, local in groups.items():
+        norms: Sequence[torch.Tensor]
+        if foreach is not False and all(t.device.type in ("cuda", "cpu") for t in local):
+            norms = torch._foreach_norm(local, norm_type)
+        else:
+            norms = [torch.linalg.vector_norm(t, norm_type) for t in local]
+        stacked = torch.stack([n.float() for n in norms])
+        terms[key] = stacked.max() if math.isinf(norm_type) else (stacked**norm_type).sum()
+    return terms
 
 
 def total_grad_norm(
     grads: list[torch.Tensor], norm_type: float = 2.0, foreach: bool | None = None
 ) -> torch.Tensor:
-    """The norm of all ``grads`` together, as a plain tensor, whatever their mesh or placement.
+    """The norm of all ``grads`` together, as a plain fp32 tensor, whatever their mesh or
+    placement (a ``Partial`` gradient is reduced first: ``reduce_partial_grads``).
 
-    torch's ``get_total_norm`` stacks per-tensor norms, so it needs every gradient on one mesh
-    (or none): grouping by mesh first lets plain tensors and DTensors on different meshes mix.
-    Each group's DTensor norm is completed over every axis it is sharded on (``full_tensor``).
+    Each gradient's local share is summed (or maxed) with the others sharded over the same mesh
+    axes, then one all-reduce per axis completes that group: a handful of collectives per step
+    instead of one per DTensor gradient (torch's ``get_total_norm`` on DTensors of mixed
+    placements; docs/architecture.md, section 10).
     """
-    groups: dict[DeviceMesh | None, list[torch.Tensor]] = {}
-    for g in grads:
-        groups.setdefault(_mesh_of(g), []).append(g)
-    norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(
-            group, norm_type, error_if_nonfinite=False, foreach=foreach
-        )
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    return norms[0] if len(norms) == 1 else _combine_norms(norms, norm_type)
+    grads = [_replicate_partial(g) for g in grads]
+    op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+    total = None
+    for (mesh, axes), term in _local_terms(grads, norm_type, foreach).items():
+        if mesh is not None and axes:
+            term = term.to(mesh.device_type)  # offloaded gradients: the collective's device
+            for axis in axes:
+                dist.all_reduce(term, op=op, group=mesh.get_group(axis))
+        if total is None:
+            total = term
+        else:
+            term = term.to(total.device)
+            total = torch.maximum(total, term) if math.isinf(norm_type) else total + term
+    assert total is not None
+    return total if math.isinf(norm_type) else total ** (1.0 / norm_type)
+
+
+def _replicate_partial(g: torch.Tensor) -> torch.Tensor:
+    """``g`` with its pending (``Partial``) reductions done, as ``Replicate`` on those axes."""
+    if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+        placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+        return g.redistribute(g.device_mesh, placements)
+    return g
 
 
 @torch.no_grad()
@@ -169,13 +201,29 @@ def reduce_partial_grads(parameters: Iterable[nn.Parameter]) -> None:
     norm weight's, whose parameter is replicated over ``tp``) into plain replicated ones, in
     place of ``p.grad``, before the clip scales them: torch 2.11's in-place multiply of a
     ``Partial`` DTensor by the clip coefficient leaves wrong values (docs/architecture.md,
-    section 10). The norm itself handles partial gradients, and the optimizer would reduce them
-    inside its first op on them anyway."""
+    section 10). The optimizer would reduce them inside its first op on them anyway.
+
+    Pending sums on the same mesh axes travel together: one all-reduce of their concatenation
+    per axis (a model's norm weights: one collective per step, not one each)."""
+    groups: dict[tuple[DeviceMesh, tuple[int, ...]], list[tuple[nn.Parameter, DTensor]]] = {}
     for p in parameters:
         g = p.grad
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            axes = tuple(i for i, pl in enumerate(g.placements) if pl.is_partial())
+            if any(getattr(g.placements[i], "reduce_op", None) != "sum" for i in axes):
+                p.grad = _replicate_partial(g)  # an average or max: DTensor's own reduction
+                continue
+            groups.setdefault((g.device_mesh, axes), []).append((p, g))
+    for (mesh, axes), pairs in groups.items():
+        locals_ = [g.to_local() for _, g in pairs]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        for axis in axes:
+            dist.all_reduce(flat, group=mesh.get_group(axis))
+        for (p, g), t, part in zip(pairs, locals_, flat.split([t.numel() for t in locals_])):
             placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
-            p.grad = g.redistribute(g.device_mesh, placements)
+            p.grad = DTensor.from_local(
+                part.view_as(t), mesh, placements, run_check=False, shape=g.shape, stride=g.stride()
+            )
 
 
 @torch.no_grad()
@@ -194,6 +242,7 @@ def clip_grad_norm_(
     ``max_norm <= 0`` only measures. Returns the total norm as a plain 0-dim tensor.
     """
     params = [p for p in parameters if p.grad is not None]
+    reduce_partial_grads(params)  # once, for the norm and the clip
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         total = total_grad_norm(grads, norm_type, foreach)

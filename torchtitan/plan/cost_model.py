@@ -2,7 +2,8 @@
 
     compute   = FLOPs of the device's tokens (plus activation recompute) / (peak * mfu)
     bubble    = compute * (pp - 1) / (stages per rank * microbatches)     (pipeline idle time)
-    tp, cp    = activation all-gathers / reduce-scatters, not overlapped (intra- or inter-node)
+    tp, cp    = activation all-gathers / reduce-scatters, not overlapped (intra- or inter-node),
+                each also paying ``Hardware.sync_us`` (the ranks' skew between computations)
     fsdp      = parameter all-gathers and gradient reduce-scatters; hidden behind up to
                 ``fsdp_overlap`` of the compute, the rest exposed
     pp_p2p    = stage-boundary activations and gradients
@@ -100,23 +101,21 @@ def step_time(
     tokens_group = layout.global_batch_size * seq / dp / layout.cp  # one TP group's tokens
     # TP: per layer and pass, two all-gathers and two reduce-scatters of [tokens, d].
     tp_spans = layout.tp > g
+    sync = hw.sync_us * 1e-6  # each blocking collective between computations (Hardware)
     tp = (
         layers_here
         * passes
         * 4
-        * _collective_s(tokens_group * a.dim * act, layout.tp, hw, tp_spans)
+        * (_collective_s(tokens_group * a.dim * act, layout.tp, hw, tp_spans) + sync)
         if layout.tp > 1
         else 0.0
     )
     # CP: per layer and pass, all-gather K and V of the full sequence (backward: reduce-scatter).
     kv_width = a.kv_heads * a.head_dim
     cp_spans = layout.tp * layout.cp > g
+    cp_bytes = 2 * tokens_group * layout.cp * kv_width / layout.tp * act
     cp = (
-        layers_here
-        * passes
-        * _collective_s(
-            2 * tokens_group * layout.cp * kv_width / layout.tp * act, layout.cp, hw, cp_spans
-        )
+        layers_here * passes * (_collective_s(cp_bytes, layout.cp, hw, cp_spans) + sync)
         if layout.cp > 1
         else 0.0
     )
@@ -137,7 +136,7 @@ def step_time(
     # FSDP wraps each block and the root: one collective per unit and pass, each with its latency
     # (what makes FSDP slower than DDP where latency is high: gloo on busy CPU cores).
     units = max(1, round(layers_here)) + 1
-    extra = _latencies_s(units - 1, n_shard, hw, shard_spans)
+    extra = _latencies_s(units - 1, n_shard, hw, shard_spans) + units * sync
     if n_shard > 1:
         gather_s = gathers * (_collective_s(params_rank * act, n_shard, hw, shard_spans) + extra)
         reduce_s = reduces * (

@@ -46,6 +46,12 @@ class Hardware:
     """Host-device bandwidth one device sees, GB/s, for CPU offload's copies (plan/levers.py)."""
     host_memory_gbps: float = 10.0
     """Host memory bandwidth one device's CPU optimizer step gets, GB/s (plan/levers.py)."""
+    sync_us: float = 0.0
+    """What each blocking collective between two computations costs beyond its bytes and latency:
+    the ranks' skew (the later rank sets the pace) and the waiting rank's wake-up. Charged to
+    tensor and context parallel's activation collectives and FSDP's per-unit ones. 0 on GPUs,
+    where NCCL runs on its own streams; on CPU ranks measured by
+    benchmarks/planner_vs_measured.py."""
     reduce_scatter_factor: float = 1.0
     """Time of a reduce-scatter relative to an all-gather moving the same bytes (1 for NCCL's
     rings; gloo's CPU reduce-scatter is slower, measured by benchmarks/planner_vs_measured.py)."""

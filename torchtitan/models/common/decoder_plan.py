@@ -48,12 +48,17 @@ from torchtitan.distributed.pipeline_plan import PipelineUnit
 
 def gather_sequence(n_inputs: int) -> PrepareModuleInput:
     """All-gather the sequence of a module's first input; the others (``freqs_cis``: a plain
-    tensor) are left alone."""
+    tensor) are left alone.
+
+    The gathered input stays a replicated DTensor: the input projections' gradients (partial
+    sums) then add up as DTensors and leave the module as one reduce-scatter onto the
+    sequence shard. Handed on as a local tensor, each projection would all-reduce its own
+    gradient in the backward (three all-reduces of the whole activation for q, k and v)."""
     rest = [None] * (n_inputs - 1)
     return PrepareModuleInput(
         input_layouts=(Shard(1), *rest),
         desired_input_layouts=(Replicate(), *rest),
-        use_local_output=True,
+        use_local_output=False,
     )
 
 
