@@ -103,6 +103,15 @@ def _norms() -> dict[str, float]:
     finally:
         dist.all_reduce = real
     out["partial_want"] = math.sqrt(sum(3 * (2 * i + 1) ** 2 for i in range(5)))
+
+    # FSDP x TP's strided shards (not ``is_shard()`` on torch 2.13) are completed too.
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = DTensor.from_local(
+        torch.full((2, 3), float(rank + 1)), mesh_a, [_StridedShard(0, split_factor=2)]
+    )
+    out["strided"] = clip_grad_norm_([param(strided)], 0.0).item()
+    out["strided_want"] = math.sqrt(6 * 1 + 6 * 4)
     return out
 
 
@@ -119,4 +128,5 @@ def test_total_norm_and_clipping_across_meshes_and_stages() -> None:
         assert r["pp_inf"] == 2.0, (rank, r)
         assert r["all_reduces_for_40"] == 1, (rank, r)
         assert r["all_reduces_for_5_partial"] == 1, (rank, r)
+        assert math.isclose(r["strided"], r["strided_want"], rel_tol=1e-6), (rank, r)
         assert math.isclose(r["partial_norm"], r["partial_want"], rel_tol=1e-6), (rank, r)

@@ -143,7 +143,11 @@ def _local_terms(
     groups: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
     for g in grads:
         if isinstance(g, DTensor):
-            axes = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            # every axis that splits the tensor (Shard, FSDP x TP's _StridedShard: anything
+            # neither replicated nor pending a sum; partial ones were reduced before)
+            axes = tuple(
+                i for i, pl in enumerate(g.placements) if not (pl.is_replicate() or pl.is_partial())
+            )
             groups.setdefault((g.device_mesh, axes), []).append(g.to_local())
         else:
             groups.setdefault((None, ()), []).append(g)
