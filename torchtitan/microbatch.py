@@ -59,15 +59,21 @@ class MicrobatchRunner:
     loss_parallel: bool  # TP with loss parallel on: cross-entropy on vocabulary-sharded logits
     document_positions: bool  # training.document_positions: per-document RoPE positions
 
-    def model_inputs(self, doc_ids: torch.Tensor | None) -> ModelInputs:
-        """Keyword inputs of the model's forward for a batch: none under causal masking;
-        ``doc_ids`` under block_causal, and per-document RoPE ``positions`` with
-        ``training.document_positions`` (computed on the whole sequence, before CP shards it)."""
-        if doc_ids is None:
-            return {}
-        extra = {"doc_ids": doc_ids}
-        if self.document_positions:
-            extra["positions"] = document_positions(doc_ids)
+    def model_inputs(self, inputs: torch.Tensor, doc_ids: torch.Tensor | None) -> ModelInputs:
+        """Keyword inputs of the model's forward for a batch, all made from whole sequences
+        before CP shards them: ``doc_ids`` under block_causal, and per-document RoPE
+        ``positions`` with ``training.document_positions``; and what a model part's
+        ``batch_inputs(inputs)`` adds (DeepSeek-V3's multi-token prediction: its shifted
+        tokens, which under PP reach every stage this way)."""
+        extra: ModelInputs = {}
+        if doc_ids is not None:
+            extra["doc_ids"] = doc_ids
+            if self.document_positions:
+                extra["positions"] = document_positions(doc_ids)
+        for part in self.model_parts:
+            batch_inputs = getattr(part, "batch_inputs", None)
+            if callable(batch_inputs):
+                extra.update(batch_inputs(inputs))
         return extra
 
     def train_context(self) -> contextlib.ExitStack:
@@ -116,7 +122,7 @@ class MicrobatchRunner:
         """Summed token loss and token count of one validation batch, forward only (the
         Validator's hook). Under PP only the last stage has a loss: ``None`` elsewhere."""
         self.loss.scale = 1.0  # plain sums (the next training step sets its own scale)
-        batch = (inputs, labels, self.model_inputs(doc_ids))
+        batch = (inputs, labels, self.model_inputs(inputs, doc_ids))
         with self.train_context(), self.sequence_share(batch) as (inputs, labels, extra):
             n = int(unmasked_tokens([labels], None))  # this rank's tokens (its share under CP)
             if self.pipeline is not None:

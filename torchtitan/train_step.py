@@ -65,7 +65,7 @@ class TrainStep:
         self.metrics.add_data_time(time.perf_counter() - start)
         device = self.runner.device
         inputs, labels, *rest = (t.to(device, non_blocking=True) for t in batch)
-        return inputs, labels, self.runner.model_inputs(rest[0] if rest else None)
+        return inputs, labels, self.runner.model_inputs(inputs, rest[0] if rest else None)
 
     def loss_scale(self, labels: list[torch.Tensor]) -> torch.Tensor:
         """Global token normalisation (docs/sft.md): the ranks averaging gradients and logged

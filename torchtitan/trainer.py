@@ -257,10 +257,13 @@ class Trainer:
         moe_load = ExpertLoadMetrics(self.model_parts, self.parallel_dims.get_mesh("dp_cp"))
         if moe_load:  # per-layer expert load and aux loss at log steps (docs/moe.md)
             self.metrics.extra_fields.append(moe_load)
-        for part in self.model_parts:  # a family's own sources (DeepSeek-V3's MTP loss)
-            sources = getattr(part, "metrics_sources", None)
-            if sources is not None:
-                self.metrics.extra_fields.extend(sources(self.parallel_dims.get_mesh("dp_cp")))
+        # A family's own sources (DeepSeek-V3's MTP loss), once per rank over its local parts;
+        # under PP the values of the last stage's pp rank (metrics.pp_loss_rank) reach every rank.
+        sources = getattr(self.model_parts[0], "metrics_sources", None)
+        if sources is not None:
+            pp = (self.metrics.pp_mesh, self.metrics.pp_loss_rank) if self.metrics.pp_mesh else None
+            dp_cp = self.parallel_dims.get_mesh("dp_cp")
+            self.metrics.extra_fields.extend(sources(self.model_parts, dp_cp, pp))
         self.nonfinite = NonFiniteGuard(
             cfg.training.nonfinite_policy, rank=self.rank, stage_ids=self.pp_stage_ids or None
         )

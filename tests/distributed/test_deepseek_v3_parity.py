@@ -4,8 +4,9 @@ parallelisms its plan admits, against one process (fp32, same global batch, ever
 within 1e-5 relative, grad norms alike; docs/deepseek_v3.md), and a bitwise resume.
 
 The MTP loss falls in the reference run, and with weight 0 the main losses equal a run without
-MTP. Pipeline and context parallel run without MTP (refused there, docs/deepseek_v3.md), against
-a one-process reference without MTP.
+MTP. Every case runs with MTP on and compares the logged MTP loss too: under pipeline parallel the
+MTP module sits on the last stage (its input embeddings sent from the first), under context
+parallel its shifted tokens are made before the sequence is sharded (docs/deepseek_v3.md).
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ from tests.parity import assert_losses_match, losses, train_metrics
 
 STEPS = 10
 FLAVOR = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
-# The routing bias off in the parity runs: the choice is discontinuous, and with the sigmoid
-# scores all near 0.5 this early plus biases moving in steps of 0.001, near-ties appear that a
-# different summation order flips (measured: FSDP 2, TP 2 and EP 2 x FSDP 4 agree with each
-# other and differ from one process by 4e-5 at step 10 with the bias on, by <= 4e-7 with it
-# off). The bitwise resume runs with the bias on: it is state a resume must restore.
+# FSDP, TP and EP run with the routing bias off: the choice is discontinuous, and with the
+# sigmoid scores all near 0.5 this early plus biases moving in steps of 0.001, near-ties appear
+# that a different summation order flips (measured: FSDP 2, TP 2 and EP 2 x FSDP 4 agree with
+# each other and differ from one process by 4e-5 at step 10 with the bias on, by <= 4e-7 with
+# it off). PP and CP run with it on (the flavor's 0.001): they match one process to <= 2e-7
+# relative either way. The bitwise resume runs with it on: it is state a resume must restore.
 MODEL = [*FLAVOR, "--model.moe_bias_update_rate", "0"]
 NO_MTP = ["--model.mtp_depth", "0"]
 PARITY = FamilyParity(MODEL, STEPS)
+BIAS_ON = FamilyParity(FLAVOR, STEPS)
+"""The flavor's routing-bias update (0.001 a step) on."""
 
 
 def _compare(
@@ -39,14 +43,13 @@ def _compare(
     world: int,
     overrides: list[str],
     label: str,
-    mtp: bool = True,
+    parity: FamilyParity = PARITY,
 ) -> None:
-    """The shared comparison, the MTP loss too where the runs have MTP."""
-    extra = () if mtp else tuple(NO_MTP)
-    ref, got = PARITY.compare(tmp_path_factory, tmp_path, world, overrides, label, extra)
-    if mtp:
-        ref_mtp, got_mtp = [m["mtp/loss"] for m in ref], [m["mtp/loss"] for m in got]
-        assert_losses_match(ref_mtp, got_mtp, rtol=1e-5, label=f"{label} (MTP loss)")
+    """The shared comparison, the logged MTP loss too (rank 0's: under PP the first stage's
+    rank, which holds no MTP module and logs the last stage's value)."""
+    ref, got = parity.compare(tmp_path_factory, tmp_path, world, overrides, label)
+    ref_mtp, got_mtp = [m["mtp/loss"] for m in ref], [m["mtp/loss"] for m in got]
+    assert_losses_match(ref_mtp, got_mtp, rtol=1e-5, label=f"{label} (MTP loss)")
 
 
 def test_fsdp2(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
@@ -68,23 +71,27 @@ def test_mtp_weight_zero_equals_no_mtp(tmp_path: Path) -> None:
 
 
 LB = "--training.local_batch_size"
-# (ranks, overrides, MTP on). PP and CP run without MTP (refused there). With the routing bias
-# on, PP would drift by ~1e-4 for another reason too: torch's pipeline stage runs one metadata
-# forward of its own before the first step, which the MoE layers count as load (Qwen3-MoE
-# alike, docs/deepseek_v3.md).
+PP2_INTERLEAVED = ["--parallelism.pipeline_parallel_degree", "2"]
+PP2_INTERLEAVED += ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+# (ranks, overrides, reference). Every case with MTP on. PP: the MTP module on the last stage,
+# the routing bias stepping: torch's pipeline stage runs a metadata forward of its own before
+# the first step, in eval mode here (``distributed/pipeline_parallel.py: _Stage``), so the MoE
+# layers count only the training forwards' load (without that: docs/deepseek_v3.md).
 SLOW_CASES = {
-    "TP 2": (2, ["--parallelism.tensor_parallel_degree", "2", LB, "8"], True),
-    "PP 2": (2, [*PP2_1F1B, LB, "8"], False),
-    "EP 2 x FSDP 4": (4, ["--parallelism.expert_parallel_degree", "2", LB, "2"], True),
-    "CP 2": (2, ["--parallelism.context_parallel_degree", "2", LB, "8"], False),
+    "TP 2": (2, ["--parallelism.tensor_parallel_degree", "2", LB, "8"], PARITY),
+    "PP 2": (2, [*PP2_1F1B, LB, "8"], BIAS_ON),
+    "PP 2 frozen bias": (2, [*PP2_1F1B, LB, "8"], PARITY),
+    "PP 2 interleaved": (2, [*PP2_INTERLEAVED, LB, "8"], BIAS_ON),
+    "EP 2 x FSDP 4": (4, ["--parallelism.expert_parallel_degree", "2", LB, "2"], PARITY),
+    "CP 2": (2, ["--parallelism.context_parallel_degree", "2", LB, "8"], BIAS_ON),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("label", list(SLOW_CASES))
 def test_parallelism(label: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
-    world, overrides, mtp = SLOW_CASES[label]
-    _compare(tmp_path_factory, tmp_path, world, overrides, label, mtp=mtp)
+    world, overrides, parity = SLOW_CASES[label]
+    _compare(tmp_path_factory, tmp_path, world, overrides, label, parity)
 
 
 @pytest.mark.slow

@@ -367,20 +367,6 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "llama3 has no multi-token prediction",
     ),
     (
-        "mtp-under-pp",
-        [
-            "--model.name",
-            "deepseek_v3",
-            "--parallelism.pipeline_parallel_degree",
-            "2",
-            "--training.local_batch_size",
-            "2",
-        ],
-        2,
-        "model.mtp_depth",
-        "multi-token prediction under pipeline parallel is not built",
-    ),
-    (
         "config-file-missing",
         ["--job.config_file", "{d}/missing.toml"],
         1,

@@ -9,7 +9,9 @@ import pytest
 
 from torchtitan.config import parse_args
 from torchtitan.config.errors import ConfigError
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.preflight.validate import validate_config
+from torchtitan.preflight.validate_moe import validate_mtp
 
 DEBUG = str(Path(__file__).resolve().parents[2] / "train_configs" / "debug_model.toml")
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
@@ -93,3 +95,20 @@ def test_moe_overrides_need_an_moe_flavor() -> None:
     with pytest.raises(ConfigError, match="model.moe_bias_update_rate.*>= 0"):
         _check([*MOE, "--model.moe_bias_update_rate", "-0.5"], 1)
     _check([*MOE, "--model.moe_aux_loss_coef", "0", "--model.moe_bias_update_rate", "0.001"], 1)
+
+
+def test_mtp_runs_under_pp_and_allgather_cp_not_ring() -> None:
+    """DeepSeek-V3 debugmodel has one MTP module: PP 2 and CP 2 (allgather) validate; ring
+    attention's in-place sharding cannot carry the MTP's shifted tokens (refused, with a fix)."""
+    ds = ["--model.name", "deepseek_v3", "--training.local_batch_size", "2"]
+    _check([*ds, "--parallelism.pipeline_parallel_degree", "2"], 2)
+    _check([*ds, "--parallelism.context_parallel_degree", "2"], 2)
+    cfg = parse_args(
+        ["--job.config_file", DEBUG, *ds, "--parallelism.context_parallel_degree", "2"]
+    )
+    cfg.parallelism.context_parallel_method = "ring"  # (CPU refuses ring earlier, in general)
+    dims = ParallelDims.from_config(cfg.parallelism, 2)
+    with pytest.raises(ConfigError, match="context_parallel_method.*allgather"):
+        validate_mtp(cfg, dims)
+    cfg.model.mtp_depth = 0
+    validate_mtp(cfg, dims)

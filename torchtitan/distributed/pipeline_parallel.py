@@ -14,8 +14,9 @@ Three steps, each usable on its own:
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -106,6 +107,35 @@ class Pipeline:
         return torch.stack([loss.detach() for loss in losses]).sum()
 
 
+@contextlib.contextmanager
+def _eval_mode(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode for the block, each submodule's own mode restored after."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage`` whose metadata inference (a forward of its own before the first
+    microbatch, on the first microbatch or on placeholder tensors of its shape) runs the module
+    in eval mode: statistics a module gathers only in training (the MoE layers' expert load,
+    which steps the routing bias; DeepSeek-V3's MTP loss sums) then count the training forwards
+    alone, as in one process (docs/pipeline.md). The inference is ``_compute_outputs`` from
+    torch 2.13, inside ``_shape_inference`` before."""
+
+    def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
+        with _eval_mode(module):
+            return super()._compute_outputs(*args, module=module, **kwargs)
+
+    def _shape_inference(self, *args: Any, **kwargs: Any) -> Any:
+        with _eval_mode(self.submod):
+            return getattr(super(), "_shape_inference")(*args, **kwargs)  # noqa: B009
+
+
 def _stage_kwargs(get_mesh: Callable[[tuple[str, ...]], DeviceMesh] | None) -> dict[str, Any]:
     if get_mesh is None or not PIPELINE_STAGE_GET_MESH:
         return {}
@@ -134,8 +164,8 @@ def build_pipeline(
     """
     stage_ids = plan.stage_ids(pp_rank)
     assert len(parts) == len(stage_ids), f"{len(parts)} parts for stages {stage_ids}"
-    stages = [
-        PipelineStage(
+    stages: list[PipelineStage] = [
+        _Stage(
             part,
             sid,
             plan.num_stages,

@@ -104,14 +104,39 @@ class Shapes:
     head: tuple[tuple[int, int], ...]
 
 
+def is_mla(a: Any) -> bool:
+    """Whether the model's attention is multi-head latent attention (DeepSeek-V3)."""
+    return hasattr(a, "kv_lora_rank")
+
+
+def attention_shapes(a: Any, tp: int) -> list[tuple[tuple[int, int], bool]]:
+    """The attention's parameters after TP, each with whether it is a matmul weight: wq, wk,
+    wv, wo; under MLA the query latent (``wq_a``, ``q_norm``, ``wq_b``; or ``wq``), the
+    key/value latent (``wkv_a``, ``kv_norm``, ``wkv_b``) and ``wo``, the up-projections and
+    ``wo`` split by heads, the down-projections and latent norms replicated."""
+    d, hd = a.dim, a.head_dim
+    if not is_mla(a):
+        q, kv = a.n_heads * hd // tp, a.kv_heads * hd // tp
+        return [((q, d), True), ((kv, d), True), ((kv, d), True), ((d, q), True)]
+    h, ql, r = a.n_heads, a.q_lora_rank, a.kv_lora_rank
+    query = [((h * hd // tp, d), True)]
+    if ql:
+        query = [((ql, d), True), ((ql, 1), False), ((h * hd // tp, ql), True)]
+    kv = [((r + a.qk_rope_head_dim, d), True), ((r, 1), False)]
+    kv.append(((h * (a.qk_nope_head_dim + a.v_head_dim) // tp, r), True))
+    return [*query, *kv, ((d, h * a.v_head_dim // tp), True)]
+
+
 def stage_shapes(a: ModelArgs, tp: int) -> Shapes:
-    d, hd, hid = a.dim, a.head_dim, a.hidden_dim
-    q, kv = a.n_heads * hd // tp, a.kv_heads * hd // tp
-    linears = [(q, d), (kv, d), (kv, d), (d, q), (hid // tp, d), (d, hid // tp), (hid // tp, d)]
-    block = tuple(linears + [(d, 1), (d, 1)])  # and the two RMSNorm weights (replicated)
+    """A block is its attention (``attention_shapes``), the three SwiGLU matrices and the two
+    norms, in that order (the last five entries are always the SwiGLU's and the norms')."""
+    d, hid = a.dim, a.hidden_dim
+    attention = attention_shapes(a, tp)
+    ffn = [(hid // tp, d), (d, hid // tp), (hid // tp, d)]
+    block = tuple([s for s, _ in attention] + ffn + [(d, 1), (d, 1)])  # + the two RMSNorms
     return Shapes(
         block=block,
-        block_linear=(True,) * 7 + (False, False),
+        block_linear=tuple(lin for _, lin in attention) + (True,) * 3 + (False, False),
         embedding=(a.vocab_size // tp, d),
         head=((d, 1), (a.vocab_size // tp, d)),
     )
@@ -163,6 +188,80 @@ def block_activation_bytes(
     return int(tokens * ((norms + attention + ffn) * act_bytes + fp32_stats * 4))
 
 
+def mla_activation_bytes(
+    a: Any, tokens: int, act: int, tp: int, cp: int, mode: str, device_type: str
+) -> int:
+    """Bytes autograd saves for one MLA block (``models/deepseek_v3/mla.py``) with the dense
+    SwiGLU (an MoE block adds ``moe_activation_delta``), over ``tokens`` local tokens.
+
+    Per token, ``none`` (counted from ``saved_tensors_hooks`` on the debug flavor's block,
+    ``tests/unit/test_estimator.py``): the two norms as in the dense formula (``3 d`` each;
+    under TP the attention norm's output stays sequence-sharded, the down-projections take
+    it); the query latent ``wq_a`` output, normalized and norm output (``3 q_lora``; the last
+    all-gathered under TP) and the key/value latent ``wkv_a`` output (``kv_lora + rope``, the
+    compressed latent and the decoupled RoPE key), normalized and norm output (``2 kv_lora``);
+    the up-projected per-head ``q`` and ``k`` (``H (nope + rope)`` each, ``k`` whole-sequence
+    under CP), ``v`` (``H v``, padded to the key width under CP) and the attention output that
+    enters ``wo`` (``H v``); fp32: the four RMS statistics and the attention's log-sum-exp
+    (``H``) on CUDA. On CPU the query and value widths differ, so SDPA takes its math path and
+    saves the softmax probabilities (``H x seq_len`` values per token) instead.
+    ``full``: the block input. ``op``: the block input, the outputs of every second matmul
+    (``wq_a``, ``wkv_a``, ``wo``, the SwiGLU's ``w3``) and the attention output (estimated)."""
+    d, hid, h = a.dim, a.hidden_dim, a.n_heads
+    ql, r, rope = a.q_lora_rank, a.kv_lora_rank, a.qk_rope_head_dim
+    qk, v = a.head_dim, a.v_head_dim
+    if mode == "full":
+        return int(tokens * d / tp * act)
+    if mode == "op":
+        elems = d / tp + (ql + r + rope + h * v + d + hid) / tp
+        return int(tokens * (elems * act + h / tp * 4))
+    # Sequence-sharded tensors are / tp; the up-projections' and w1/w3's inputs are
+    # all-gathered (whole width on every TP rank).
+    norms = 5 * d / tp + d
+    query = 2 * ql / tp + ql if ql else 0
+    latent = (r + rope) / tp + r / tp + r
+    kv_width = v if cp == 1 else qk
+    core = (h * qk + h * qk * cp + h * kv_width * cp + h * v) / tp
+    stats = (3 + (1 if ql else 0)) / tp
+    if device_type == "cpu" and cp == 1:
+        core += h / tp * a.max_seq_len
+    else:
+        stats += h / tp
+    ffn = 4 * hid / tp
+    return int(tokens * ((norms + query + latent + core + ffn) * act + stats * 4))
+
+
+def mtp_root_shapes(a: Any, depth: int) -> list[tuple[int, int]]:
+    """The MTP modules' weights outside their blocks (DeepSeek-V3, ``mtp.py``): ``enorm``,
+    ``hnorm``, the final ``norm`` and the ``2 dim -> dim`` projection (replicated under TP)."""
+    return [(a.dim, 1)] * 3 * depth + [(a.dim, 2 * a.dim)] * depth
+
+
+def mtp_saved_bytes(a: Any, tokens: int, act: int, tp: int, depth: int) -> int:
+    """What the MTP modules save besides their blocks (``layer_activations`` of block
+    ``n_layers + k``), per token and depth: the shifted tokens' embedding and its normalized
+    copy, the normalized hidden state, the ``2 dim`` concatenation ``eh_proj`` reads, the
+    module's output and its final norm's normalized input and output (``8 dim``), three fp32
+    RMS statistics, the fp32 log-softmax over the (local) vocabulary and the embedded ids;
+    once, the ``[B, S, depth + 1]`` int64 shifted tokens (measured with
+    ``saved_tensors_hooks``: ``tests/unit/test_deepseek_v3_estimator.py``)."""
+    per_depth = 8 * a.dim / tp * act + 3 * 4 + a.vocab_size // tp * 4 + 8
+    return int(tokens * (depth * per_depth + (depth + 1) * 8))
+
+
+def mla_note(a: Any, per_block: dict[int, int], tokens: int) -> str:
+    """explain's MLA line: saved bytes per token of a block, and the generation KV cache per
+    token (the latent and the rotated key per layer) next to per-head K/V's."""
+    layer, first = next(iter(per_block.items()), (0, 0))
+    cache = a.kv_cache_bytes_per_token(2)
+    per_head = 2 * a.n_heads * a.head_dim * 2 * a.n_layers
+    return (
+        f"MLA: block {layer} saves {first / max(tokens, 1):,.0f} bytes per token (latents, rotated "
+        f"key, per-head q/k/v); KV cache {cache:,} bytes per token in bf16 (kv_lora_rank + "
+        f"qk_rope_head_dim per layer), per-head K/V would be {per_head:,}"
+    )
+
+
 def norm_upcast_bytes(a: ModelArgs, tokens: int, act_bytes: int, tp: int, device_type: str) -> int:
     """Extra bytes one saved RMSNorm costs on CPU with a low-precision input: torch's composite
     (unfused) RMSNorm there saves its input and normalized input upcast to fp32, 4 bytes per
@@ -182,12 +281,16 @@ def layer_activations(
     mode: str,
     device_type: str,
 ) -> int:
-    """Saved bytes of block ``layer``: the dense formula, plus QK-norm's tensors and an MoE
+    """Saved bytes of block ``layer``: the dense formula (MLA's own under MLA), plus QK-norm's tensors and an MoE
     feed-forward in place of the SwiGLU where the model has them (``moe_memory.py``), plus the
     two norms' fp32 copies on CPU in low precision (recomputed under full and op-level AC)."""
     upcast = 2 * norm_upcast_bytes(a, tokens, act_bytes, dims.tp, device_type)
+    if is_mla(a):
+        base = mla_activation_bytes(a, tokens, act_bytes, dims.tp, dims.cp, mode, device_type)
+    else:
+        base = block_activation_bytes(a, tokens, act_bytes, dims.tp, dims.cp, mode)
     return (
-        block_activation_bytes(a, tokens, act_bytes, dims.tp, dims.cp, mode)
+        base
         + (upcast if mode == "none" else 0)
         + moe_terms.qk_norm_activation_bytes(a, tokens, act_bytes, dims.tp, mode)
         + moe_terms.moe_activation_delta(a, layer, tokens, act_bytes, dims.tp, mode, dims.ep)

@@ -124,7 +124,7 @@ def block_sizes(
     fsdp: bool,
 ) -> BlockSizes:
     """Sizes of block ``layer``; ``dense_block`` are the estimator's dense-block shapes after
-    TP (four attention projections, three SwiGLU matrices, two norms) and ``stored(shapes)``
+    TP (the attention's, three SwiGLU matrices, two norms) and ``stored(shapes)``
     its per-rank storage of a list of 2-D shapes."""
     shapes = list(dense_block)
     linear = list(dense_linear)
@@ -136,16 +136,18 @@ def block_sizes(
         full = shapes + extra
         lin = sum(x * y for (x, y), is_lin in zip(shapes, linear) if is_lin)
         return BlockSizes(stored(full), sum(x * y for x, y in full), lin)
-    attention = shapes[:4]  # wq wk wv wo; the SwiGLU matrices are replaced by the MoE layer
+    # The attention (wq wk wv wo, or MLA's); the SwiGLU matrices are replaced by the MoE layer.
+    attention = shapes[:-5]
     d, s = a.dim, moe.num_shared_experts * moe.expert_dim
     ffn = [(moe.num_experts, d)] + ([(s, d), (d, s), (s, d)] if s else [])
-    dense_part = attention + ffn + shapes[7:] + extra
+    dense_part = attention + ffn + shapes[-2:] + extra
     experts_stored, experts_gathered = layer_expert_elems(a, ep, n_shard, fsdp)
     dense_gathered = sum(x * y for x, y in dense_part)
+    attention_linear = sum(x * y for (x, y), lin in zip(attention, linear) if lin)
     return BlockSizes(
         stored=stored(dense_part) + experts_stored,
         gathered=dense_gathered + experts_gathered,
-        linear_gathered=sum(x * y for x, y in attention + ffn) + experts_gathered,
+        linear_gathered=attention_linear + sum(x * y for x, y in ffn) + experts_gathered,
         experts_stored=experts_stored,
         experts_gathered=experts_gathered,
     )

@@ -4,7 +4,8 @@ runs it for each pipeline rank and keeps the largest."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import Any, NamedTuple
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import parse_selective_option
@@ -24,9 +25,13 @@ from torchtitan.plan.memory_terms import (
     checkpoint_mode,
     format_bytes,
     in_flight_microbatches,
+    is_mla,
     layer_activations,
     loss_working_set,
     master_weight_bytes,
+    mla_note,
+    mtp_root_shapes,
+    mtp_saved_bytes,
     muon_step_bytes,
     norm_upcast_bytes,
     optimizer_state_bytes_per_param,
@@ -100,6 +105,11 @@ class RankMemory:
         if self.has_head:
             tied = a.tie_word_embeddings and self.has_embedding
             roots += [shapes.head[0]] if tied else list(shapes.head)
+        # DeepSeek-V3's MTP modules travel with the head: their blocks count as blocks
+        # ``n_layers + k`` (never checkpointed), their norms and projection as root weights.
+        depth = getattr(a, "mtp_depth", 0) if self.has_head else 0
+        self.mtp_layers = [a.n_layers + k for k in range(depth)]
+        roots += mtp_root_shapes(a, depth)
         self.root_shapes = roots
         # Per block (MoE blocks: router, experts per expert parallel, shared experts).
         self.sizes = {
@@ -107,7 +117,7 @@ class RankMemory:
                 a, shapes.block, shapes.block_linear, i, self._stored, self.dims.ep,
                 self.n_shard, self.fsdp,
             )
-            for i in self.layers
+            for i in self.layers + self.mtp_layers
         }  # fmt: skip
         param_elems = self._stored(roots) + sum(b.stored for b in self.sizes.values())
         self.parameters = param_elems * self.mw
@@ -205,8 +215,9 @@ class RankMemory:
             parse_selective_option(ac.selective_ac_option) if ac.mode == "selective" else 0
         )
         self.modes = {i: checkpoint_mode(i, ac.mode, option) for i in self.layers}
+        self.modes.update({i: "none" for i in self.mtp_layers})
         self.per_block, self.full_block = {}, {}
-        for i in self.layers:
+        for i in self.layers + self.mtp_layers:
             self.per_block[i] = self._layer(i, self.modes[i])
             self.full_block[i] = self._layer(i, "none")
         self.vocab_local = a.vocab_size // tp
@@ -219,6 +230,11 @@ class RankMemory:
                 + norm_upcast_bytes(a, tokens, act, tp, self.device_type)
                 + loss_working_set(tokens, self.vocab_local, act, t.loss_chunk_size)[0]
             )
+        if self.mtp_layers:
+            head_saved += mtp_saved_bytes(a, tokens, act, tp, len(self.mtp_layers))
+            self.notes.extend(self._mtp_notes(t.seq_len))
+        if is_mla(a):
+            self.notes.append(mla_note(a, self.per_block, tokens))
         self.emb_saved = tokens * 8 if self.has_embedding else 0  # token ids
         self.stages = len(plan.stage_ids(self.pp_rank)) if plan else 1
         self.per_mb = sum(self.per_block.values()) + head_saved + self.emb_saved
@@ -226,11 +242,28 @@ class RankMemory:
         self.activations_all = self.per_mb * self.in_flight // self.stages if plan else self.per_mb
         self.pipeline_buffers = 0
         if plan is not None:
-            residual = tokens * a.dim // tp * act
+            # (with MTP the first stage's MTP input embeddings travel with the residual)
+            residual = tokens * a.dim // tp * act * (1 + getattr(a, "mtp_depth", 0))
             first = 0 in plan.stage_ids(self.pp_rank)
             last = plan.num_stages - 1 in plan.stage_ids(self.pp_rank)
             n_recv = (self.stages - (1 if first else 0)) + (self.stages - (1 if last else 0))
             self.pipeline_buffers = self.n_mb * residual * n_recv
+
+    def _mtp_notes(self, seq_len: int) -> list[str]:
+        """What the MTP modules cost: parameters, saved activations, FLOPs per token."""
+        a: Any = self.a
+        depth = len(self.mtp_layers)
+        params = depth * a.mtp_params()
+        saved = sum(self.per_block[i] for i in self.mtp_layers) + mtp_saved_bytes(
+            a, self.mb_tokens, self.act, self.tp, depth
+        )
+        flops = a.flops_per_token(seq_len)
+        without = dataclasses.replace(a, mtp_depth=0).flops_per_token(seq_len)
+        return [
+            f"MTP: {depth} module(s) on the last stage: {params / 1e6:,.1f} M parameters, "
+            f"{format_bytes(saved)} saved per microbatch (block, norms, fp32 log-softmax), "
+            f"{(flops - without) / 1e6:,.1f} of {flops / 1e6:,.1f} MFLOPs per token"
+        ]
 
     def _layer(self, i: int, mode: str) -> int:
         return layer_activations(
@@ -313,7 +346,7 @@ class RankMemory:
         a, act, mw = self.a, self.act, self.mw
         moments: list[_Moment] = []
         done_grads = 0
-        below, blocks = self._below(), sorted(self.layers)
+        below, blocks = self._below(), sorted(self.layers + self.mtp_layers)
         unsharded = (
             self.unsharded_root + min(2, len(blocks)) * self.unsharded_block
             if self.fsdp and self.reshard
@@ -327,7 +360,7 @@ class RankMemory:
             if not (self.fsdp or act != mw):
                 # Without FSDP each weight gradient lands in .grad as its op's backward runs: at
                 # the block's peak (the SwiGLU backward) only the down projection's exists.
-                own = min(own, total_elems(self.shapes.block[5:6]) * mw)
+                own = min(own, total_elems(self.shapes.block[-4:-3]) * mw)  # w2
             ws = block_backward_bytes(a, self.mb_tokens, act, self.tp) + own
             experts = self._own_grads(size.experts_gathered, size.experts_stored)
             ws += moe_terms.moe_backward_delta(a, i, self.mb_tokens, act, self.tp, experts)
@@ -353,6 +386,9 @@ class RankMemory:
         emb = self.shapes.embedding
         new = emb[0] * emb[1] * (self.act if (self.fsdp or self.act != self.mw) else self.mw)
         new = 0 if self.cfg.lora.enable else new  # a frozen embedding has no gradient
+        if getattr(self.a, "mtp_depth", 0) > 0:
+            # The MTP inputs' lookup makes a second dense gradient, summed into the first.
+            new *= 2
         grads = max(self.carried_grads, done_grads) + self.root_grad
         unsharded = self.unsharded_root if self.fsdp and self.reshard else self.unsharded_fwd
         if not self.needs_copy:

@@ -58,9 +58,10 @@ def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
 
 
 def validate_mtp(cfg: JobConfig, dims: ParallelDims) -> None:
-    """The multi-token-prediction overrides need a family with MTP (deepseek_v3); MTP modules
-    (the flavor's or ``model.mtp_depth``) are not built under pipeline or context parallel
-    (docs/deepseek_v3.md)."""
+    """The multi-token-prediction overrides need a family with MTP (deepseek_v3). MTP runs under
+    pipeline parallel (on the last stage) and under context parallel's ``allgather`` method; its
+    shifted tokens are not passed through ``ring`` attention's in-place sharding (refused;
+    docs/deepseek_v3.md)."""
     args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
     has_mtp = hasattr(args, "mtp_depth")
     for name in ("mtp_depth", "mtp_loss_weight"):
@@ -73,11 +74,11 @@ def validate_mtp(cfg: JobConfig, dims: ParallelDims) -> None:
                 "remove it, or use --model.name deepseek_v3",
             )
     depth = cfg.model.mtp_depth if cfg.model.mtp_depth >= 0 else getattr(args, "mtp_depth", 0)
-    for axis, degree in (("pipeline", dims.pp), ("context", dims.cp)):
-        if depth > 0 and degree > 1:
-            raise ConfigError(
-                "model.mtp_depth",
-                depth,
-                f"multi-token prediction under {axis} parallel is not built",
-                "set --model.mtp_depth 0",
-            )
+    method = cfg.parallelism.context_parallel_method
+    if depth > 0 and dims.cp > 1 and method == "ring":
+        raise ConfigError(
+            "parallelism.context_parallel_method",
+            method,
+            "multi-token prediction under context parallel runs with the allgather method",
+            "use --parallelism.context_parallel_method allgather (or --model.mtp_depth 0)",
+        )

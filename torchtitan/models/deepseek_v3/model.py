@@ -21,8 +21,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.distributed.context_parallel import AllGatherKVAttention
 from torchtitan.distributed.init_weights import ParamInit
-from torchtitan.models.common.attention import OptMask
+from torchtitan.models.common.attention import OptMask, build_attention_mask
 from torchtitan.models.common.decoder import BLOCK_INIT, Decoder, FeedForward, TransformerBlock
 from torchtitan.models.common.kv_cache import KVCache
 from torchtitan.models.common.moe import MoE, _AttachAuxLoss
@@ -33,7 +34,14 @@ from torchtitan.models.common.rope import (
 )
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.deepseek_v3.mla import MLA
-from torchtitan.models.deepseek_v3.mtp import MTPMetrics, MTPModule, mtp_loss
+from torchtitan.models.deepseek_v3.mtp import (
+    MTPMetrics,
+    MTPModule,
+    PPSource,
+    mtp_embeddings,
+    mtp_loss,
+    mtp_tokens,
+)
 
 
 class Block(TransformerBlock):
@@ -106,6 +114,8 @@ class Transformer(Decoder):
         self.mtp_loss: torch.Tensor | None = None
         """The last training forward's MTP loss (detached, unweighted mean over the depths)."""
         self.register_buffer("mtp_since_log", torch.zeros(2), persistent=False)  # sum, count
+        self.cp_mesh: DeviceMesh | None = None
+        """The context-parallel mesh (``enable_context_parallel``), or None."""
 
     def _compute_freqs_cis(self, device: torch.device | str | None) -> torch.Tensor:
         a = self.args
@@ -124,42 +134,103 @@ class Transformer(Decoder):
             a.qk_rope_head_dim, a.max_seq_len, a.rope_theta, yarn, device=device
         )
 
-    def enable_context_parallel(self, mesh: object) -> None:
-        """Called by context parallel (``distributed/context_parallel.py``): the MTP modules
-        read tokens ``k`` positions ahead, which another rank holds under CP."""
-        if self.mtp is not None:
-            raise ValueError(
-                "multi-token prediction under context parallel is not built: "
-                "set --model.mtp_depth 0 (docs/deepseek_v3.md)"
-            )
+    def enable_context_parallel(self, mesh: DeviceMesh) -> None:
+        """Called by context parallel (``distributed/context_parallel.py``, ``allgather``): the
+        MTP blocks attend over the whole sequence like the main blocks (their attention core
+        gathers K/V over ``cp``), and their loss is normalised by the whole sequences' targets.
+        Their shifted tokens come in ``mtp_tokens``, made before the sequence was sharded."""
+        self.cp_mesh = mesh
+        for module in self.mtp.values() if self.mtp is not None else ():
+            module.get_submodule("block.attention").core = AllGatherKVAttention(mesh, 1)
 
-    def _head(
-        self, h: Tensor, tokens: Tensor, freqs_cis: Tensor, mask: OptMask, cache: KVCache | None
+    def batch_inputs(self, tokens: Tensor) -> dict[str, Tensor]:
+        """Keyword inputs the trainer adds to every batch (``microbatch.py``), before context
+        parallel shards the sequence and given to every pipeline stage: with MTP, each module's
+        input and target tokens (``mtp.mtp_tokens``)."""
+        if self.args.mtp_depth == 0:
+            return {}
+        return {"mtp_tokens": mtp_tokens(tokens, self.args.mtp_depth)}
+
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor | None = None,
+        cache: KVCache | None = None,
+        doc_ids: Tensor | None = None,
+        mtp_tokens: Tensor | None = None,
     ) -> Tensor:
-        """The shared head; in a training forward (gradients on, no cache) with MTP modules,
-        their loss joins the backward through the returned logits (like the MoE auxiliary loss,
-        ``models/common/moe.py``) and is kept for the metrics."""
-        hidden = h
+        """The shared decoder's forward (``models/common/decoder.py``), plus ``mtp_tokens``
+        (``batch_inputs``). Under pipeline parallel with MTP the first stage embeds the MTP
+        modules' input tokens with the embedding only it holds and sends them to the last stage
+        behind the hidden states (``[B, S, (1 + D) dim]``: ``h`` then one ``dim`` slice per
+        depth; the stages between pass them on); their gradient returns the same way to the
+        embedding (docs/deepseek_v3.md, "Multi-token prediction under pipeline parallel")."""
+        carry = self.args.mtp_depth > 0 and mtp_tokens is not None and cache is None
+        carried: Tensor | None = None
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+        elif carry:
+            dim = self.args.dim
+            h, carried = tokens.split([dim, tokens.shape[-1] - dim], dim=-1)
+        else:
+            h = tokens
+        seqlen = h.shape[1]
+        freqs_cis = self.freqs_cis[:seqlen] if positions is None else self.freqs_cis[positions]
+        mask = None if doc_ids is None else build_attention_mask(doc_ids, self.args.attn_backend)
+        for key, layer in self.layers.items():
+            if cache is None:
+                h = layer(h, freqs_cis, mask=mask)
+            else:
+                h = layer(h, freqs_cis, mask=mask, cache=cache.layer(key))
+        if self.output is None:  # a pipeline stage before the last
+            if not carry:
+                return h
+            assert mtp_tokens is not None
+            if carried is None:
+                assert self.tok_embeddings is not None
+                carried = torch.cat(mtp_embeddings(self.tok_embeddings, mtp_tokens), dim=-1)
+            return torch.cat([h, carried], dim=-1)
         logits = super()._head(h, tokens, freqs_cis, mask, cache)
-        if self.output is None:
-            return logits
-        self.mtp_loss = None
         if self.mtp is None or cache is not None or not torch.is_grad_enabled():
+            self.mtp_loss = None
             return logits
-        if self.tok_embeddings is None:
-            raise ValueError(
-                "multi-token prediction needs the embedding on the last pipeline stage, which "
-                "is not built: set --model.mtp_depth 0 (docs/deepseek_v3.md)"
-            )
+        return self._with_mtp_loss(logits, h, tokens, mtp_tokens, carried, freqs_cis, mask)
+
+    def _with_mtp_loss(
+        self,
+        logits: Tensor,
+        hidden: Tensor,
+        tokens: Tensor,
+        shifted_tokens: Tensor | None,
+        carried: Tensor | None,
+        freqs_cis: Tensor,
+        mask: OptMask,
+    ) -> Tensor:
+        """``logits``, through which the MTP loss joins the backward (like the MoE auxiliary
+        loss, ``models/common/moe.py``); the loss is kept for the metrics."""
+        assert self.mtp is not None and self.output is not None
+        if shifted_tokens is None:
+            if self.tok_embeddings is None or self.cp_mesh is not None:
+                raise ValueError(
+                    "multi-token prediction on a pipeline stage or under context parallel needs "
+                    "the batch's mtp_tokens (Transformer.batch_inputs; the trainer adds them)"
+                )
+            shifted_tokens = mtp_tokens(tokens, self.args.mtp_depth)
+        if carried is not None:
+            embeddings = list(carried.chunk(self.args.mtp_depth, dim=-1))
+        else:
+            assert self.tok_embeddings is not None
+            embeddings = mtp_embeddings(self.tok_embeddings, shifted_tokens)
         loss, mean = mtp_loss(
             self.mtp,
-            self.tok_embeddings,
             self.output,
             hidden,
-            tokens,
+            embeddings,
+            shifted_tokens,
             freqs_cis,
             mask,
             self.args.mtp_loss_weight,
+            self.cp_mesh,
         )
         self.mtp_loss = mean.detach()
         if self.training and not torch.compiler.is_compiling():
@@ -167,9 +238,16 @@ class Transformer(Decoder):
                 self.mtp_since_log += torch.stack([self.mtp_loss, torch.ones_like(self.mtp_loss)])
         return _AttachAuxLoss.apply(logits, loss, self.aux_loss_scale)
 
-    def metrics_sources(self, mesh: DeviceMesh | None) -> list[MTPMetrics]:
-        """The trainer's extra metrics of this model part: the MTP loss, where it has MTP."""
-        return [MTPMetrics(self, mesh)] if self.mtp is not None else []
+    def metrics_sources(
+        self, parts: list[nn.Module], mesh: DeviceMesh | None, pp: PPSource | None = None
+    ) -> list[MTPMetrics]:
+        """The trainer's extra metrics of this rank's model ``parts``: the MTP loss, averaged
+        over ``mesh``; under pipeline parallel ``pp`` (the pp mesh and the pp rank of the last
+        stage) every pp rank logs the last stage's value."""
+        if self.args.mtp_depth == 0:
+            return []
+        holder = next((p for p in parts if getattr(p, "mtp", None) is not None), None)
+        return [MTPMetrics(holder, mesh, pp)]
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """The shared buffers (RoPE table, MoE counters) and the MTP sums to zero."""

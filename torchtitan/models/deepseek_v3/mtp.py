@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -60,50 +61,91 @@ def shifted(tokens: torch.Tensor, k: int, pad: int) -> torch.Tensor:
     return F.pad(tokens[:, k:], (0, k), value=pad)
 
 
+def mtp_tokens(tokens: torch.Tensor, depth: int) -> torch.Tensor:
+    """int ``[B, S, depth + 1]``: column ``j`` is ``tokens`` shifted by ``j + 1``, padded with
+    ``IGNORE``. Module ``k`` embeds column ``k - 1`` (the pad read as token 0) and predicts
+    column ``k``. Made from the whole sequence before context parallel shards it (the shift
+    crosses the shards' boundaries) and given to every pipeline stage (the last one, holding the
+    MTP modules, has no token ids of its own)."""
+    return torch.stack([shifted(tokens, j, IGNORE) for j in range(1, depth + 2)], dim=-1)
+
+
+def mtp_embeddings(embedding: nn.Module, shifted_tokens: torch.Tensor) -> list[torch.Tensor]:
+    """The shared embedding of each module's input tokens (``mtp_tokens``' columns but the
+    last; the pad embedded as token 0)."""
+    columns = shifted_tokens[..., :-1].clamp(min=0).unbind(-1)
+    return [embedding(c) for c in columns]
+
+
 def mtp_loss(
     modules: nn.ModuleDict,
-    embedding: nn.Module,
     output: nn.Module,
     hidden: torch.Tensor,
-    tokens: torch.Tensor,
+    embeddings: list[torch.Tensor],
+    shifted_tokens: torch.Tensor,
     freqs_cis: torch.Tensor,
     mask: AttentionMask | None,
     weight: float,
+    cp_mesh: DeviceMesh | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight / D * sum_k CE_k, 1 / D * sum_k CE_k)`` over the ``D`` modules: the loss that
-    trains and the unweighted mean that is logged (see the module docstring)."""
-    total = torch.zeros((), device=tokens.device)
+    trains and the unweighted mean that is logged (see the module docstring). ``embeddings``
+    and ``shifted_tokens``: ``mtp_embeddings`` and ``mtp_tokens`` of the inputs. Under context
+    parallel (``cp_mesh``) each rank holds part of every sequence: its CE sum is divided by the
+    whole sequences' target count and multiplied by ``cp``, so the cp ranks' losses (and
+    gradients, which FSDP averages over ``dp_shard x cp``) average to the one-process mean."""
+    total = torch.zeros((), device=shifted_tokens.device)
     h = hidden
+    cp = 1 if cp_mesh is None else cp_mesh.size()
     for k, module in enumerate(modules.values(), start=1):
         assert isinstance(module, MTPModule)
-        h = module(h, embedding(shifted(tokens, k, 0)), freqs_cis, mask)
+        h = module(h, embeddings[k - 1], freqs_cis, mask)
         logits = output(module.norm(h))
-        targets = shifted(tokens, k + 1, IGNORE)
+        targets = shifted_tokens[..., k]
         ce = F.cross_entropy(
             logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE, reduction="sum"
         )
         if isinstance(ce, DTensor):  # loss parallel: a replicated scalar
             ce = ce.to_local()
-        total = total + ce / (targets != IGNORE).sum().clamp(min=1)
+        count = (targets != IGNORE).sum()
+        if cp_mesh is not None:
+            count = funcol.all_reduce(count, "sum", cp_mesh)
+        total = total + ce * cp / count.clamp(min=1)
     mean = total / len(modules)
     return mean * weight, mean
+
+
+PPSource = tuple[DeviceMesh, int]
+"""The pipeline mesh and the pp rank whose values every pp rank logs (the last stage's)."""
 
 
 class MTPMetrics:
     """A metrics source (``MetricsProcessor.extra_fields``, like ``ExpertLoadMetrics``): the
     mean MTP loss (unweighted, averaged over the depths) since the last log step, averaged over
-    the data-parallel ranks ``mesh``; ``mtp/loss`` in the metrics, next to the main loss."""
+    the data-parallel ranks ``mesh``; ``mtp/loss`` in the metrics, next to the main loss.
+    ``model`` is None on a pipeline rank without the MTP modules: it logs the value of ``pp``'s
+    rank (one broadcast of two numbers at log steps)."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh | None) -> None:
-        self.sums: torch.Tensor = model.get_buffer("mtp_since_log")  # [sum, count]
+    def __init__(
+        self, model: nn.Module | None, mesh: DeviceMesh | None, pp: PPSource | None = None
+    ) -> None:
+        self.sums = model.get_buffer("mtp_since_log") if model is not None else None
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
+        self.pp = pp
 
     @torch.no_grad()
     def __call__(self) -> tuple[dict[str, float | int | None], str]:
-        packed = self.sums.clone()
-        self.sums.zero_()
+        if self.sums is not None:
+            packed = self.sums.clone()
+            self.sums.zero_()
+        else:
+            device = self.pp[0].device_type if self.pp is not None else "cpu"
+            packed = torch.zeros(2, device=device)
         if self.mesh is not None:
             dist.all_reduce(packed, group=self.mesh.get_group())
+        if self.pp is not None:
+            pp_mesh, src = self.pp
+            dist.broadcast(packed, group=pp_mesh.get_group(), group_src=src)
         total, count = packed.tolist()
         if count == 0:
             return {}, ""

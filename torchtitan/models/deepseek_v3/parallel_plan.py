@@ -20,8 +20,8 @@ each style applies where its module exists. The MTP modules get the same block s
 ``mtp.<k>.block`` plus sequence-parallel norms and projection (root styles).
 
 Pipeline parallel: the MTP modules travel with the final norm and the output head (the unit
-``norm``). They also need the token embedding, which only the first stage holds: a split model
-with MTP is refused at the first forward (set ``--model.mtp_depth 0``).
+``norm``). Their input embeddings come from the first stage, which holds the embedding: it sends
+them behind the hidden states (``Transformer.forward``; docs/deepseek_v3.md).
 """
 
 from __future__ import annotations
