@@ -33,6 +33,12 @@ MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 # No --lora.target_modules: the family's default (its attention projections, with biases).
 GPT_OSS_LORA = ["--lora.enable", "--lora.rank", "4", "--optimizer.lr", "1e-2"]
 GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
+# Its biased attention projections and its own experts (GptOssExperts: gate_up_proj, down_proj).
+GPT_OSS_EXPERTS = [
+    *GPT_OSS_LORA,
+    "--lora.target_modules",
+    "attention.w*,feed_forward.experts",
+]
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -136,3 +142,29 @@ def test_lora_gpt_oss_fsdp2_matches_one_process(tmp_path: Path) -> None:
         [*GPT_OSS, "--training.local_batch_size", "4"], 2, tmp_path / "two", GPT_OSS_LORA
     )
     assert_losses_match(losses(one), losses(two), rtol=1e-5, label="GPT-OSS LoRA FSDP 2")
+
+
+GPT_OSS_LAYOUTS = {
+    "EP 2": (["--parallelism.expert_parallel_degree", "2"], "4"),
+    "TP 2": (["--parallelism.tensor_parallel_degree", "2"], "8"),
+    "PP 2": (["--parallelism.pipeline_parallel_degree", "2"], "8"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(GPT_OSS_LAYOUTS))
+def test_lora_gpt_oss_experts_layout_matches_one_process(
+    layout: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """GPT-OSS with adapters on its biased attention projections and its own experts: EP 2
+    shards the expert adapter stacks with the experts, TP 2 splits the biased projections (the
+    experts run replicated), PP 2 carries them with their stage."""
+    if "gpt_oss_experts" not in _REF:
+        dump = tmp_path_factory.mktemp("lora_ref_gpt_oss")
+        argv = [*GPT_OSS, "--training.local_batch_size", "8"]
+        _REF["gpt_oss_experts"] = lora_run(argv, 1, dump, GPT_OSS_EXPERTS)
+    extra, local = GPT_OSS_LAYOUTS[layout]
+    argv = [*GPT_OSS, *extra, "--training.local_batch_size", local]
+    got = lora_run(argv, 2, tmp_path, GPT_OSS_EXPERTS)
+    ref = _REF["gpt_oss_experts"]
+    assert_losses_match(losses(ref), losses(got), rtol=1e-5, label=f"GPT-OSS expert LoRA {layout}")

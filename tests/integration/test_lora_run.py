@@ -119,13 +119,16 @@ def test_hf_base_lora_sft_peft_generation(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_lora_resume_is_bitwise_and_names_the_base(tmp_path: Path) -> None:
+@pytest.mark.parametrize("base", ["plain", "nf4"])
+def test_lora_resume_is_bitwise_and_names_the_base(base: str, tmp_path: Path) -> None:
+    """LoRA (and QLoRA: the HF base quantized to NF4 after the load, sharded by FSDP 2)."""
     from tests.checkpoint_helpers import assert_checkpoints_identical, read_checkpoint
 
     _hf_base(tmp_path / "base")
     common = [*TOML, *SHORT, "--training.steps", "4", "--checkpoint.interval", "2"]
     common += ["--checkpoint.initial_load_path", str(tmp_path / "base")]
     common += ["--checkpoint.initial_load_in_hf", "--parallelism.data_parallel_shard_degree", "2"]
+    common += ["--lora.quantize_base", "nf4"] if base == "nf4" else []
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert run_ranks(_train, 2, [*common, "--job.dump_folder", str(straight)]) == [0, 0]
     # The same run stopped after step 2: its folder without step-4, resumed (base from HF,
@@ -140,4 +143,4 @@ def test_lora_resume_is_bitwise_and_names_the_base(tmp_path: Path) -> None:
     assert model and all(".lora_" in k for k in model)
     state = decode_state(read_checkpoint(straight)["train_state"])
     assert state["settings"]["model"]["checkpoint.initial_load_path"] == str(tmp_path / "base")
-    print(f"LoRA FSDP 2 resume: {n} checkpoint entries bitwise equal, {len(model)} adapter tensors")
+    print(f"LoRA ({base}) FSDP 2 resume: {n} entries bitwise equal, {len(model)} adapter tensors")

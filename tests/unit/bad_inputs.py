@@ -427,11 +427,17 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "adapters wrap nn.Linear projections",
     ),
     (
-        "qlora-parallel",
-        ["--lora.enable", "--lora.quantize_base", "nf4"],
+        "qlora-tp",
+        [
+            "--lora.enable",
+            "--lora.quantize_base",
+            "nf4",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
         2,
-        "lora.quantize_base",
-        "the NF4 base runs in one process",
+        "parallelism.tensor_parallel_degree",
+        "runs under FSDP (dp_shard) and PP only",
     ),
     (
         "lora-adapter-path-missing",

@@ -11,7 +11,7 @@ import torch
 from tests.tiny_args import tiny_llama3
 from torchtitan.config.job_config import Lora
 from torchtitan.lora.apply import apply_lora, init_adapters
-from torchtitan.lora.qlora import quantize_base
+from torchtitan.lora.qlora import nf4_shard_problem, quantize_base
 from torchtitan.models import MODELS
 from torchtitan.plan.tracker import LiveTensorTracker
 
@@ -99,3 +99,14 @@ def test_nf4_forward_is_close_to_the_bf16_base() -> None:
     rel = ((got - ref).norm() / ref.norm()).item()
     print(f"NF4 base vs fp32 base: relative logit error {rel:.3f}")
     assert 0 < rel < 0.2, rel
+
+
+def test_nf4_shard_rule() -> None:
+    """FSDP keeps whole NF4 scale groups per rank (lora/qlora.py): a 4096 x 4096 weight (1,024
+    groups of 256 blocks) splits over 2 or 8 ranks; a 64 x 64 one (one group of 64 blocks) not."""
+    assert nf4_shard_problem((4096, 4096), 8) is None and nf4_shard_problem((64, 64), 1) is None
+    problem = nf4_shard_problem((64, 64), 2)
+    assert (
+        problem is not None and "1 NF4 scale groups" in problem and "2 equal row blocks" in problem
+    )
+    assert nf4_shard_problem((3, 4), 1) is not None  # 12 values: not whole blocks of 64

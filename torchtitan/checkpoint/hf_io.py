@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from torchtitan.checkpoint.state import model_state_dict
 from torchtitan.tools.logging import logger
 
 INDEX = "model.safetensors.index.json"
@@ -156,8 +156,21 @@ def load_hf_streaming(
     parts: list[nn.Module], adapter: Any, folder: Path, verbose: bool = False
 ) -> Progress:
     """Fill the (possibly sharded) parameters of ``parts`` from the Hugging Face ``folder``,
-    each rank reading only the bytes of its boxes; returns this rank's byte count and time."""
-    return load_hf_state_dict(model_state_dict(parts), adapter, folder, verbose)
+    each rank reading only the bytes of its boxes; returns this rank's byte count and time.
+    A part whose checkpoints hold only some entries (``checkpoint_keys``: LoRA adapters) takes
+    the others, its base, from the folder."""
+    return load_hf_state_dict(base_state_dict(parts), adapter, folder, verbose)
+
+
+def base_state_dict(parts: list[nn.Module]) -> dict[str, Any]:
+    """The entries of ``parts`` a Hugging Face folder holds: all, less a part's
+    ``checkpoint_keys`` (the adapters, saved in our checkpoints instead)."""
+    sd: dict[str, Any] = {}
+    for part in parts:
+        own = get_model_state_dict(part)
+        ours = getattr(part, "checkpoint_keys", None)
+        sd.update({k: v for k, v in own.items() if not ours(k)} if callable(ours) else own)
+    return sd
 
 
 def load_hf_state_dict(

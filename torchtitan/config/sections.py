@@ -284,10 +284,10 @@ class Lora:
 
     target_modules: list[str] = field(default_factory=list)
     """Empty (default): the family's attention projections (``lora_targets`` of its spec: wq, wk,
-    wv, wo; DeepSeek-V3's MLA wq/wq_a/wq_b/wkv_a/wkv_b/wo). Otherwise module-name patterns (fnmatch, matched against the module's name or a dotted suffix of it) that get adapters: nn.Linear projections or grouped MoE experts (feed_forward.experts)."""
+    wv, wo; DeepSeek-V3's MLA wq/wq_a/wq_b/wkv_a/wkv_b/wo). Otherwise module-name patterns (fnmatch, matched against the module's name or a dotted suffix of it) that get adapters: nn.Linear projections or the stacked MoE experts of any family (feed_forward.experts)."""
 
     adapter_path: str = ""
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from, written for the same rank, alpha and use_rslora (docs/lora.md)."""
 
     quantize_base: Literal["none", "nf4"] = "none"
-    """Store the frozen base's adapted projections in NF4 (QLoRA, torchao; one process only)."""
+    """Store the frozen base's adapted projections in NF4 (QLoRA, torchao): one process, FSDP (dp_shard) or PP; TP, CP and replication are refused (docs/lora.md)."""

@@ -91,11 +91,13 @@ def _shard(t: torch.Tensor) -> torch.Tensor:
 
 
 def weights_finite(model_parts: Sequence[nn.Module]) -> bool:
-    """Whether every parameter on every rank is finite (one all-reduce)."""
+    """Whether every trained parameter on every rank is finite (one all-reduce). A frozen one
+    (a LoRA base, possibly NF4 codes that have no ``isfinite``) cannot have changed."""
     ok = all(
         bool(torch.isfinite(_shard(p.detach())).all())
         for part in model_parts
         for p in part.parameters()
+        if p.requires_grad
     )
     if dist.is_initialized() and dist.get_world_size() > 1:
         t = torch.tensor([int(ok)], dtype=torch.int32, device=_collective_device())

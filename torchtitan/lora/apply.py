@@ -21,8 +21,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from torchtitan.config.job_config import Lora
 from torchtitan.distributed.init_weights import param_seed
-from torchtitan.lora.layers import LoRAExperts, LoRALinear, is_adapter_name, lora_scaling
-from torchtitan.models.common.moe_experts import Experts
+from torchtitan.lora.layers import (
+    LoRAExperts,
+    LoRALinear,
+    adapt_experts,
+    is_adapter_name,
+    lora_scaling,
+)
+from torchtitan.models.common.moe_experts import StackedExperts
 
 __all__ = [
     "adapter_names",
@@ -61,9 +67,9 @@ def apply_lora(model: nn.Module, cfg: Lora) -> list[str]:
             continue
         if type(module) is nn.Linear:
             new: nn.Module = LoRALinear(module, cfg.rank, scaling, cfg.dropout)
-        elif type(module) is Experts:
-            names = ("w1", "w2", "w3")
-            new = LoRAExperts(module, names, cfg.rank, scaling, cfg.dropout)
+        elif isinstance(module, StackedExperts) and not isinstance(module, LoRAExperts):
+            # Every family's stacked experts through their declared ``project`` hook.
+            new = adapt_experts(module, module.projections, cfg.rank, scaling, cfg.dropout)
         else:
             raise ValueError(
                 f"{fqn} is a {type(module).__name__}; adapters wrap "

@@ -1,8 +1,9 @@
 """The adapter modules (docs/lora.md): :class:`LoRALinear`, an ``nn.Linear`` whose frozen
 ``weight`` keeps its name (so TP/FSDP plans and checkpoints that name ``<module>.weight`` are
-unchanged) plus ``lora_A [r, in]`` and ``lora_B [out, r]``; and :class:`LoRAExperts`, grouped MoE
-experts with per-expert stacks ``lora_A_<w> [E, in, r]`` / ``lora_B_<w> [E, r, out]`` (our
-experts multiply rows by ``w[e]``, no transpose). The output is
+unchanged) plus ``lora_A [r, in]`` and ``lora_B [out, r]``; and :class:`LoRAExperts`, stacked MoE
+experts of any family (``models/common/moe_experts.py: StackedExperts``) with per-expert stacks
+``lora_A_<w> [E, in, r]`` / ``lora_B_<w> [E, r, out]`` (our experts multiply rows by ``w[e]``, no
+transpose). The output is
 ``base(x) + scaling * B(A(dropout(x)))`` with ``scaling = alpha / r`` (``alpha / sqrt(r)``:
 rsLoRA); adapters stay fp32 whatever the base's dtype.
 """
@@ -20,9 +21,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from torchtitan.models.common.moe_experts import Experts, expert_matmul, local_weight
+from torchtitan.models.common.moe_experts import StackedExperts, expert_matmul, local_weight
 
-__all__ = ["ADAPTER_PREFIX", "LoRAExperts", "LoRALinear", "is_adapter_name", "lora_scaling"]
+__all__ = [
+    "ADAPTER_PREFIX",
+    "LoRAExperts",
+    "LoRALinear",
+    "adapt_experts",
+    "is_adapter_name",
+    "lora_scaling",
+]
 
 ADAPTER_PREFIX = "lora_"
 
@@ -121,36 +129,22 @@ def _partition(layout: dict[str, Any], name: str, module: nn.Module, mesh: Any) 
         module.register_parameter(pname, nn.Parameter(dt, p.requires_grad))
 
 
-class LoRAExperts(Experts):
-    """Grouped experts with per-expert adapters on the projections named in ``adapted``."""
+class LoRAExperts(StackedExperts):
+    """Per-expert adapters on stacked experts of any family (the shared ``Experts``, GPT-OSS's
+    biased ones, ...): a mixin over the experts' own class that overrides the
+    :class:`StackedExperts` hook ``project``, adding ``scaling * (x A[e]) B[e]`` to each adapted
+    projection's product (before the family adds its biases). Made by :func:`adapt_experts`."""
 
-    def __init__(
-        self, base: Experts, adapted: tuple[str, ...], rank: int, scaling: float, dropout: float
-    ) -> None:
-        nn.Module.__init__(self)
-        for name in ("w1", "w2", "w3"):
-            setattr(self, name, getattr(base, name))
-        self.use_grouped_mm, self.grad_scale = base.use_grouped_mm, base.grad_scale
-        self.adapted, self.rank, self.scaling = adapted, rank, scaling
-        for name in adapted:
-            w = getattr(self, name)
-            n, d_in, d_out = w.shape
-            a = torch.empty(n, d_in, rank, device=w.device)
-            b = torch.empty(n, rank, d_out, device=w.device)
-            self.register_parameter(f"lora_A_{name}", nn.Parameter(a))
-            self.register_parameter(f"lora_B_{name}", nn.Parameter(b))
-        self.lora_dropout = _dropout(dropout)
+    adapted: tuple[str, ...]
+    rank: int
+    scaling: float
+    lora_dropout: nn.Module
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        grouped = self._grouped(x)
-        h = F.silu(self._proj(x, "w1", counts, grouped)) * self._proj(x, "w3", counts, grouped)
-        return self._proj(h, "w2", counts, grouped)
-
-    def _proj(self, x: torch.Tensor, name: str, counts: torch.Tensor, grouped: bool):
-        g = self.grad_scale  # expert parallel: 1 / ep on the way to every expert weight
-        y = expert_matmul(x, local_weight(getattr(self, name), g), counts, grouped)
+    def project(self, x: torch.Tensor, name: str, counts: torch.Tensor, grouped: bool):
+        y = super().project(x, name, counts, grouped)
         if name not in self.adapted:
             return y
+        g = self.grad_scale  # expert parallel: 1 / ep on the way to every expert weight
         a = local_weight(getattr(self, f"lora_A_{name}"), g)
         b = local_weight(getattr(self, f"lora_B_{name}"), g)
         h = expert_matmul(self.lora_dropout(x).to(a.dtype), a, counts, grouped)
@@ -161,3 +155,39 @@ class LoRAExperts(Experts):
             return False
         # grouped_mm needs 16-byte row strides: the rank must allow it too.
         return self.use_grouped_mm is not None or (self.rank * 4) % 16 == 0
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _lora_class(cls: type) -> type:
+    """``LoRA<cls>``: :class:`LoRAExperts` over ``cls`` (one per class, importable by name)."""
+    if issubclass(cls, LoRAExperts):
+        raise ValueError(f"{cls.__name__} already carries adapters")
+    if cls not in _CLASSES:
+        name = f"LoRA{cls.__name__}"
+        _CLASSES[cls] = type(name, (LoRAExperts, cls), {"__module__": __name__})
+        _CLASSES[cls].__qualname__ = name
+        globals().setdefault(name, _CLASSES[cls])
+    return _CLASSES[cls]
+
+
+def adapt_experts(
+    module: StackedExperts, adapted: tuple[str, ...], rank: int, scaling: float, dropout: float
+) -> LoRAExperts:
+    """Give ``module`` (in place: its weights keep their names) per-expert stacks
+    ``lora_A_<w> [E, in, r]`` and ``lora_B_<w> [E, r, out]`` for every projection in ``adapted``."""
+    unknown = [n for n in adapted if n not in module.projections]
+    if unknown:
+        raise ValueError(f"{type(module).__name__} has no stacked projection {unknown}")
+    module.__class__ = _lora_class(type(module))
+    assert isinstance(module, LoRAExperts)
+    module.adapted, module.rank, module.scaling = adapted, rank, scaling
+    for name in adapted:
+        n, d_in, d_out = getattr(module, name).shape
+        device = getattr(module, name).device
+        a = torch.empty(n, d_in, rank, device=device)
+        module.register_parameter(f"lora_A_{name}", nn.Parameter(a))
+        module.register_parameter(f"lora_B_{name}", nn.Parameter(a.new_empty(n, rank, d_out)))
+    module.lora_dropout = _dropout(dropout)
+    return module

@@ -30,7 +30,7 @@ from torchtitan.config.manager import parse_args
 from torchtitan.models import MODELS
 from torchtitan.plan.auto import device_peak_tflops
 from torchtitan.plan.estimator import format_bytes, model_args_for
-from torchtitan.plan.planner import Hardware, plan
+from torchtitan.plan.planner import Hardware, plan, summary
 
 _OPTIONS = {
     "--world_size": int,
@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
             "offload): more devices, more memory per device, or a shorter sequence"
         )
         return 1
+    for line in summary(cfg, results):
+        print(line)
     for i, r in enumerate(results[:top], start=1):
         print(
             f"\n#{i}  {r.layout.describe()}\n"

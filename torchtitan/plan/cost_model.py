@@ -9,7 +9,11 @@
     pp_p2p    = stage-boundary activations and gradients
     all_to_all, moe_tp = expert parallel's token exchange and TP-replicated expert compute
                 (MoE models, ``plan/moe_plan.py``)
+    lora      = adapters on a frozen base (``plan/lora_memory.py``): the base's backward skips
+                the weight-gradient matmuls, FSDP reduces and the optimizer steps the adapters
+                only; ``nf4_dequant``, QLoRA's dequantization per matmul
     step      = compute + bubble + tp + cp + exposed fsdp + pp_p2p + all_to_all + moe_tp
+                + nf4_dequant
 
 A collective moving ``S`` bytes over ``n`` ranks costs ``S * (n - 1) / n / bandwidth`` plus
 ``(n - 1) * latency``; the bandwidth is the intra-node one when the group fits in a node (the
@@ -25,6 +29,7 @@ from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.plan.estimator import block_params, param_dtype_bytes
 from torchtitan.plan.layout import Hardware, Layout
 from torchtitan.plan.levers import chunked_loss_seconds, offload_seconds
+from torchtitan.plan.lora_memory import lora_shares
 from torchtitan.plan.moe_plan import (
     active_block_params,
     expert_params,
@@ -85,6 +90,10 @@ def step_time(
     block_flops_fwd_token = 2 * all_blocks + 4 * a.n_layers * a.n_heads * a.head_dim * seq
     peak = hw.peak_tflops * 1e12 * hw.mfu
     compute = tokens_device * MODELS[cfg.model.name].flops_per_token(a, seq) / peak
+    lora = lora_shares(layout.apply(cfg), a)  # adapters: plan/lora_memory.py
+    if lora is not None:
+        frozen = a.num_params(exclude_embedding=True, active=True)  # type: ignore[attr-defined]
+        compute += tokens_device * lora.flops_delta_per_token(frozen) / peak
     recompute = (
         tokens_device
         * block_flops_fwd_token
@@ -132,26 +141,29 @@ def step_time(
         gathers, reduces = 1, 1  # gathered once per step, gradients reduced at its end
     else:
         gathers, reduces = 2 * layout.accumulation, layout.accumulation
+    gather_bytes = params_rank * act if lora is None else lora.gather_bytes(params_rank, act)
+    grad_params = params_rank if lora is None else lora.adapters_of(params_rank)
+    experts_grad = experts_rank if lora is None else 0.0  # a frozen base reduces no gradient
     gather_s = reduce_s = 0.0
     # FSDP wraps each block and the root: one collective per unit and pass, each with its latency
     # (what makes FSDP slower than DDP where latency is high: gloo on busy CPU cores).
     units = max(1, round(layers_here)) + 1
     extra = _latencies_s(units - 1, n_shard, hw, shard_spans) + units * sync
     if n_shard > 1:
-        gather_s = gathers * (_collective_s(params_rank * act, n_shard, hw, shard_spans) + extra)
+        gather_s = gathers * (_collective_s(gather_bytes, n_shard, hw, shard_spans) + extra)
         reduce_s = reduces * (
             hw.reduce_scatter_factor
-            * _collective_s(params_rank * grad_bytes, n_shard, hw, shard_spans)
+            * _collective_s(grad_params * grad_bytes, n_shard, hw, shard_spans)
             + extra
         )
     if experts and efsdp > 1:
         gather_s += gathers * _collective_s(experts_rank * act, efsdp, hw, shard_spans)
-        reduce_s += reduces * _collective_s(experts_rank * grad_bytes, efsdp, hw, shard_spans)
+        reduce_s += reduces * _collective_s(experts_grad * grad_bytes, efsdp, hw, shard_spans)
     if layout.dp_replicate > 1:  # all-reduce of the gradient shards across replicas
         # the replicas are outside tp x shard in the mesh: inside one node while all of it fits
         rep_spans = layout.tp * n_shard * layout.dp_replicate > g
         reduce_s += 2 * _collective_s(
-            (params_rank / n_shard + experts_rank / efsdp) * grad_bytes,
+            (grad_params / n_shard + experts_grad / efsdp) * grad_bytes,
             layout.dp_replicate,
             hw,
             rep_spans,
@@ -226,11 +238,17 @@ def step_time(
     terms["optimizer"] = 0.0
     if "cpu_offload" not in layout.levers:
         state = 4 + 4 + (4 if "bf16_moments" in layout.levers else 8)
-        shard = params_rank / n_shard + experts_rank / max(1, efsdp)
+        shard = grad_params / n_shard + experts_grad / max(1, efsdp)
         terms["optimizer"] = shard * state / (hw.optimizer_gbps * 1e9)
     frac = _recompute_fraction(a, layout.ac_mode, layout.ac_option)
     terms.update(moe_step_terms(a, layout, hw, seq, act, peak, frac))
     total = work + bubble + tp + cp + fsdp + pp_p2p + terms["all_to_all"] + terms["moe_tp"]
     total += terms["chunked_loss"] + terms["offload_copies"] + terms["offload_optimizer"]
     total += terms["optimizer"]
+    # QLoRA: every frozen matmul dequantizes its NF4 weight per pass and microbatch.
+    micro = layout.microbatches if layout.pp > 1 else layout.accumulation
+    terms["nf4_dequant"] = 0.0
+    if lora is not None:
+        terms["nf4_dequant"] = lora.dequant_s(params_rank, micro * passes, hw.optimizer_gbps)
+    total += terms["nf4_dequant"]
     return total, terms

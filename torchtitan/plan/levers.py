@@ -5,7 +5,7 @@ first: chunked linear + cross-entropy (costs one more forward matmul of the outp
 then bf16 Adam moments (costs nothing in time; stochastic rounding keeps the loss within 1% in
 our 200-step check), then FSDP CPU offload (costs the host-device copies and a CPU optimizer
 step). When full fine-tuning fits under none of them: LoRA (adapters on a frozen base), then
-QLoRA (its base in NF4; one device only). The first set under which a layout fits is the one
+QLoRA (its base in NF4; no TP, CP or replication). The first set under which a layout fits is the one
 shown.
 
 Offload's predicted slow-down, per step and device, with ``P`` this device's parameter shard
@@ -47,7 +47,7 @@ NAMES = {
     "bf16_moments": "bf16 Adam moments",
     "cpu_offload": "FSDP CPU offload",
     "lora": "LoRA (frozen base, adapters on every projection)",
-    "qlora": "QLoRA (NF4 base, one device)",
+    "qlora": "QLoRA (NF4 base; FSDP and PP only)",
 }
 
 LORA_TARGETS = ["attention.w*", "feed_forward.w*"]

@@ -1,6 +1,13 @@
-"""The memory terms of LoRA and QLoRA (docs/lora.md, "Planning"; docs/planning.md): the base is
-frozen (stored, no gradients, no optimizer state), the adapters are trained (fp32 weights,
-gradients and moments), and under QLoRA the adapted projections are stored in NF4.
+"""The memory and step-time terms of LoRA and QLoRA (docs/lora.md, "Planning"; docs/planning.md):
+the base is frozen (stored, no gradients, no optimizer state), the adapters are trained (fp32
+weights, gradients and moments), and under QLoRA the adapted projections are stored in NF4.
+
+Step time (``plan/cost_model.py``), per token: a frozen matmul still needs its input gradient
+but not its weight gradient, so the backward of the base is 1x its forward instead of 2x
+(``6 N`` becomes ``4 N``); the adapters cost their own ``6 n``. FSDP reduces the adapter
+gradients only and gathers the NF4 bytes of a QLoRA base; the optimizer steps the adapters only.
+Under QLoRA every matmul dequantizes its weight first (forward, backward and recompute, each
+microbatch): ``DEQUANT_BYTES`` of memory traffic per value.
 
 The counts come from the model itself: the flavor is built on ``meta`` and the adapters applied
 (``lora/apply.py``), once per shape and setting. A rank holds the same share of the adapters and
@@ -13,15 +20,20 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan.config.job_config import Lora
+from torchtitan.config.job_config import JobConfig, Lora
 from torchtitan.lora.apply import apply_lora, with_targets
 from torchtitan.lora.layers import is_adapter_name
 from torchtitan.models import MODELS
 
-__all__ = ["NF4_BYTES", "LoraCounts", "lora_counts"]
+__all__ = ["DEQUANT_BYTES", "NF4_BYTES", "LoraCounts", "LoraShares", "lora_counts", "lora_shares"]
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """Bytes per NF4 element: a 4-bit code, one 8-bit scale per 64 values, one fp32 per 256 scales."""
+
+DEQUANT_BYTES = 48.0
+"""Memory traffic of dequantizing one NF4 value to bf16 (torchao's ``NF4Tensor.to``, several
+elementwise passes): measured as 12 bf16 copies (4 bytes a value each) of a 4096 x 4096 weight
+on the 2-core CPU (383 ms vs 31.6 ms, one thread); not measured on a GPU."""
 
 
 @dataclass(frozen=True)
@@ -59,3 +71,42 @@ def _counts(model_name: str, args: object, lora: Lora) -> LoraCounts:
             p.numel() for n, p in module.named_parameters(recurse=False) if not is_adapter_name(n)
         )
     return LoraCounts(adapters, adapted, total)
+
+
+@dataclass(frozen=True)
+class LoraShares:
+    """What the step-time model needs of a LoRA run: the counts and whether the base is NF4.
+    A rank's share of the adapters (or adapted weights) is that of all its parameters."""
+
+    counts: LoraCounts
+    nf4: bool
+
+    def adapters_of(self, params: float) -> float:
+        return params * self.counts.adapters / self.counts.total
+
+    def adapted_of(self, params: float) -> float:
+        return params * self.counts.adapted / self.counts.total
+
+    def flops_delta_per_token(self, frozen_matmul_params: float) -> float:
+        """No weight-gradient matmul for the frozen base (``-2 N``), the adapters' ``6 n``."""
+        return 6 * self.counts.adapters - 2 * frozen_matmul_params
+
+    def gather_bytes(self, params: float, dtype_bytes: int) -> float:
+        """What FSDP all-gathers for ``params`` base values: the NF4 bytes of the adapted
+        weights under QLoRA, and the adapters (cast to the compute dtype)."""
+        adapted = self.adapted_of(params)
+        stored = NF4_BYTES if self.nf4 else dtype_bytes
+        adapters = self.adapters_of(params)
+        return (params - adapted + adapters) * dtype_bytes + adapted * stored
+
+    def dequant_s(self, params: float, passes: float, gbps: float) -> float:
+        """Dequantizing this rank's NF4 weights ``passes`` times at ``gbps`` GB/s."""
+        return self.adapted_of(params) * DEQUANT_BYTES * passes / (gbps * 1e9) if self.nf4 else 0.0
+
+
+def lora_shares(cfg: JobConfig, args: object) -> LoraShares | None:
+    """The LoRA terms of ``cfg`` (its levers applied), or None without adapters."""
+    if not cfg.lora.enable:
+        return None
+    counts = lora_counts(cfg.model.name, args, cfg.lora)
+    return LoraShares(counts, cfg.lora.quantize_base == "nf4")

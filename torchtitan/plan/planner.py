@@ -40,6 +40,7 @@ __all__ = [
     "global_batch_of",
     "plan",
     "step_time",
+    "summary",
 ]
 
 CP_CHOICES = (1, 2, 4, 8, 16)
@@ -157,13 +158,43 @@ def plan(
         results = results + tuned
     for r in results:
         r.reasons = _reasons(r, hw, world_size)
-    if results and results[0].step_time_s > min(r.step_time_s for r in results):
-        fastest = min(results, key=lambda r: r.step_time_s)
+    # Among the layouts that train the same thing (full fine-tuning, or adapters).
+    same = [r for r in results if _adapters(r) == _adapters(results[0])] if results else []
+    if same and same[0].step_time_s > min(r.step_time_s for r in same):
+        fastest = min(same, key=lambda r: r.step_time_s)
         results[0].reasons.append(
             f"simplest layout within {hw.prefer_simpler_within:.0%} of the fastest "
             f"({fastest.layout.describe()}: {fastest.tokens_per_s_per_device:,.0f} tokens/s)"
         )
     return results, len(layouts), too_big
+
+
+def _adapters(r: PlanResult) -> bool:
+    return "lora" in r.layout.levers
+
+
+def summary(cfg: JobConfig, results: list[PlanResult]) -> list[str]:
+    """The choice in plain words when the planner proposes adapters (docs/lora.md): full
+    fine-tuning is what was asked for, so it keeps the first place where it fits at all (with
+    CPU offload, say); the adapter layout trains something else, so it is named as such."""
+    tuned = [(i, r) for i, r in enumerate(results, start=1) if _adapters(r)]
+    if not tuned:
+        return []
+    full = [(i, r) for i, r in enumerate(results, start=1) if not _adapters(r)]
+    if not full:
+        lines = ["full fine-tuning: does not fit, even with the memory levers"]
+    else:
+        i, r = full[0]
+        how = "only with CPU offload" if "cpu_offload" in r.layout.levers else "fits"
+        lines = [f"full fine-tuning: {how}, {r.step_time_s:.1f} s/step (#{i})"]
+    i, r = tuned[0]
+    lo = r.layout.apply(cfg).lora
+    kind = "QLoRA" if lo.quantize_base == "nf4" else "LoRA"
+    lines.append(
+        f"on device: {kind} r={lo.rank}, {r.memory.total / GIB:.1f} GiB, "
+        f"{r.step_time_s:.1f} s/step (#{i}; trains adapters only, the base frozen)"
+    )
+    return lines
 
 
 def _first_fitting(
@@ -182,8 +213,8 @@ def _first_fitting(
             # offload needs FSDP, on a 1-rank mesh too; preflight refuses it with pure DDP
             if "cpu_offload" not in levers or lay.dp_shard * lay.cp > 1 or lay.dp_replicate == 1
         ]
-        if "qlora" in levers and world_size > 1:  # the NF4 base runs in one process
-            candidates = []
+        if "qlora" in levers:  # an NF4 base: FSDP and PP only (preflight/validate_lora.py)
+            candidates = [c for c in candidates if c.tp == c.cp == c.dp_replicate == 1]
         results, too_big = _fitting(cfg, a, world_size, hw, candidates)
         if results:
             return results, too_big
@@ -273,6 +304,13 @@ def _reasons(r: PlanResult, hw: Hardware, world_size: int) -> list[str]:
     if lay.levers:
         names = ", ".join(NAMES[n] for n in lay.levers)
         out.append(f"needs memory levers to fit (docs/memory.md): {names}")
+    if _adapters(r):
+        out.append(
+            "trains adapters only: no weight-gradient matmul for the frozen base, gradients "
+            "reduced and optimizer state for the adapters alone"
+        )
+    if t.get("nf4_dequant", 0) > 0:
+        out.append(f"NF4 dequantization {t['nf4_dequant']:.2f} s ({pct(t['nf4_dequant'])})")
     if t.get("chunked_loss", 0) > 0:
         out.append(f"chunked loss recompute {t['chunked_loss']:.2f} s ({pct(t['chunked_loss'])})")
     if t.get("offload_copies", 0) > 0:

@@ -15,7 +15,7 @@ from torchtitan.config.job_config import JobConfig, Lora
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.lora.apply import apply_lora, with_targets
 from torchtitan.lora.layers import LoRALinear
-from torchtitan.lora.qlora import nf4_problem
+from torchtitan.lora.qlora import nf4_shard_problem
 from torchtitan.models import MODELS
 
 __all__ = ["validate_lora"]
@@ -40,13 +40,8 @@ def validate_lora(cfg: JobConfig, dims: ParallelDims) -> None:
             "with lora.enable the base must be a Hugging Face folder (checkpoints hold adapters)",
             "add --checkpoint.initial_load_in_hf (export a DCP base with scripts/convert_to_hf.py)",
         )
-    if lo.quantize_base == "nf4" and dims.world_size > 1:
-        raise ConfigError(
-            "lora.quantize_base",
-            "nf4",
-            f"the NF4 base runs in one process (world size {dims.world_size})",
-            "use quantize_base = none for parallel LoRA, or one process",
-        )
+    if lo.quantize_base == "nf4":
+        _check_nf4_layout(dims)
     folder = Path(lo.adapter_path) if lo.adapter_path else None
     if folder is not None and not (folder / "adapter_config.json").is_file():
         raise ConfigError(
@@ -55,13 +50,13 @@ def validate_lora(cfg: JobConfig, dims: ParallelDims) -> None:
             "must be a PEFT folder holding adapter_config.json",
             "point it at a folder written by scripts/export_lora.py or PEFT's save_pretrained",
         )
-    _check_targets(cfg, lo)
+    _check_targets(cfg, lo, dims)
 
 
 _FIX = "use e.g. attention.wq,attention.wv or feed_forward.experts (docs/lora.md)"
 
 
-def _check_targets(cfg: JobConfig, lo: Lora) -> None:
+def _check_targets(cfg: JobConfig, lo: Lora, dims: ParallelDims) -> None:
     spec = MODELS[cfg.model.name]
     args = spec.flavors[cfg.model.flavor]  # the shapes decide what matches
     lo = with_targets(lo, spec)
@@ -89,6 +84,26 @@ def _check_targets(cfg: JobConfig, lo: Lora) -> None:
                     f"{name}: grouped experts have no NF4 form here",
                     _FIX,
                 )
-            problem = nf4_problem(tuple(module.weight.shape))
+            problem = nf4_shard_problem(tuple(module.weight.shape), dims.dp_shard * dims.cp)
             if problem is not None:
                 raise ConfigError("lora.quantize_base", "nf4", f"{name}: {problem}", _FIX)
+
+
+_NF4_LAYOUTS = (
+    ("tensor_parallel_degree", "tp", "tensor parallel would shard inside the NF4 codes"),
+    ("data_parallel_replicate_degree", "dp_replicate", "NF4 bases are sharded by FSDP only"),
+    ("context_parallel_degree", "cp", "not built with an NF4 base"),
+)
+
+
+def _check_nf4_layout(dims: ParallelDims) -> None:
+    """QLoRA runs in one process, under FSDP (dp_shard) and under PP; the rest is refused."""
+    for field, axis, why in _NF4_LAYOUTS:
+        degree = getattr(dims, axis)
+        if degree > 1:
+            raise ConfigError(
+                f"parallelism.{field}",
+                degree,
+                f"lora.quantize_base = nf4 runs under FSDP (dp_shard) and PP only: {why}",
+                f"set parallelism.{field} = 1 (or lora.quantize_base = none)",
+            )

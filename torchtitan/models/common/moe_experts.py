@@ -18,6 +18,7 @@ from torchtitan.distributed.expert_parallel import scale_grad
 __all__ = [
     "Experts",
     "SharedExpert",
+    "StackedExperts",
     "expert_matmul",
     "grouped_mm_supported",
     "grouped_mm_traceable",
@@ -96,39 +97,57 @@ def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, groupe
     return torch.cat([p @ w[e] for e, p in enumerate(parts)])
 
 
-class Experts(nn.Module):
+class StackedExperts(nn.Module):
+    """The protocol of routed experts held as stacked weights (docs/moe.md; docs/lora.md): every
+    weight named in ``projections`` is ``[E, in, out]`` and multiplies its expert's rows through
+    :meth:`project`, the one hook a wrapper (LoRA's per-expert adapters) overrides; biases and
+    activations stay in the family's ``forward``. Expert parallel shards every direct parameter on
+    dimension 0 and sets ``grad_scale``."""
+
+    projections: tuple[str, ...] = ()
+    use_grouped_mm: bool | None
+    """None: decided by :func:`grouped_mm_supported`; True/False forces a path."""
+    grad_scale: float
+    """Gradient factor of expert-parallel (DTensor) weights: 1 / ep."""
+
+    def project(self, x: torch.Tensor, name: str, counts: torch.Tensor, grouped: bool):
+        """Rows of ``x`` (sorted by expert) times their expert's ``name`` matrix."""
+        w = local_weight(getattr(self, name), self.grad_scale)
+        return expert_matmul(x, w, counts, grouped)
+
+    def _grouped(self, x: torch.Tensor) -> bool:
+        if self.use_grouped_mm is not None:
+            return self.use_grouped_mm
+        ws = (getattr(self, n) for n in self.projections)
+        return grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, *ws)
+
+    def traceable(self, x: torch.Tensor) -> bool:
+        """Whether torch.compile can trace the forward on rows like ``x``: the grouped GEMM
+        (the loop needs the split sizes on the host) with a meta kernel for the dtype."""
+        return self._grouped(x) and grouped_mm_traceable(x.dtype)
+
+
+class Experts(StackedExperts):
     """``E`` SwiGLU experts as stacked weights: ``w1``/``w3`` ``[E, dim, hidden]``, ``w2``
     ``[E, hidden, dim]`` (a token's row times the matrix, no transpose)."""
 
     param_kind = "experts"  # optimizer kind: Muon treats each expert's matrix on its own
+    projections = ("w1", "w2", "w3")
 
     def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.use_grouped_mm: bool | None = None
-        """None: decided by :func:`grouped_mm_supported`; True/False forces a path."""
+        self.use_grouped_mm = None
         self.grad_scale = 1.0
-        """Gradient factor of expert-parallel (DTensor) weights: 1 / ep."""
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # Under expert parallel the weights are DTensors: this rank's experts are its shard,
         # and their gradients are scaled by 1 / ep (distributed/expert_parallel.py).
-        w1, w2, w3 = (local_weight(w, self.grad_scale) for w in (self.w1, self.w2, self.w3))
         grouped = self._grouped(x)
-        h = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
-        return expert_matmul(h, w2, counts, grouped)
-
-    def _grouped(self, x: torch.Tensor) -> bool:
-        if self.use_grouped_mm is not None:
-            return self.use_grouped_mm
-        return grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, self.w1, self.w2)
-
-    def traceable(self, x: torch.Tensor) -> bool:
-        """Whether torch.compile can trace :meth:`forward` on rows like ``x``: the grouped GEMM
-        (the loop needs the split sizes on the host) with a meta kernel for the dtype."""
-        return self._grouped(x) and grouped_mm_traceable(x.dtype)
+        h = F.silu(self.project(x, "w1", counts, grouped)) * self.project(x, "w3", counts, grouped)
+        return self.project(h, "w2", counts, grouped)
 
 
 def local_weight(w: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:

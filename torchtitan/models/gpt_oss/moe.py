@@ -14,22 +14,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan.models.common.moe import MoE, MoEArgs
-from torchtitan.models.common.moe_experts import (
-    _aligned,
-    expert_matmul,
-    grouped_mm_supported,
-    grouped_mm_traceable,
-    local_weight,
-)
+from torchtitan.models.common.moe_experts import StackedExperts, local_weight
 from torchtitan.models.common.moe_router import Router
 
 __all__ = ["GptOssExperts", "GptOssMoE", "GptOssRouter", "clamped_swiglu"]
-
-EXPERT_PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
 def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
@@ -60,9 +50,13 @@ class GptOssRouter(Router):
         return idx, weights * a.route_scale, logits.softmax(dim=-1)
 
 
-class GptOssExperts(nn.Module):
+class GptOssExperts(StackedExperts):
     """``E`` biased clamped-SwiGLU experts as stacked weights: ``gate_up_proj [E, dim, 2H]``,
-    ``gate_up_proj_bias [E, 2H]``, ``down_proj [E, H, dim]``, ``down_proj_bias [E, dim]``."""
+    ``gate_up_proj_bias [E, 2H]``, ``down_proj [E, H, dim]``, ``down_proj_bias [E, dim]``. The
+    two matrices go through :meth:`project` (the shared experts' hook: LoRA's per-expert adapters
+    take both, docs/lora.md); the biases are added after it."""
+
+    projections = ("gate_up_proj", "down_proj")
 
     def __init__(self, num_experts: int, dim: int, hidden: int, limit: float, alpha: float):
         super().__init__()
@@ -71,32 +65,21 @@ class GptOssExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.down_proj_bias = nn.Parameter(torch.empty(num_experts, dim))
         self.limit, self.alpha = limit, alpha
-        self.use_grouped_mm: bool | None = None
-        """None: decided by ``grouped_mm_supported``; True/False forces a path."""
+        self.use_grouped_mm = None
         self.grad_scale = 1.0
-        """Gradient factor of expert-parallel (DTensor) weights: 1 / ep."""
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows of ``x`` sorted by expert, ``counts[e]`` of them for (local) expert ``e``."""
-        w_gu, b_gu, w_down, b_down = (
-            local_weight(getattr(self, n), self.grad_scale) for n in EXPERT_PARAMS
+        b_gu, b_down = (
+            local_weight(getattr(self, n), self.grad_scale)
+            for n in ("gate_up_proj_bias", "down_proj_bias")
         )
         grouped = self._grouped(x)
         local = torch.arange(counts.numel(), device=x.device)
         expert = torch.repeat_interleave(local, counts, output_size=x.shape[0])
-        h = expert_matmul(x, w_gu, counts, grouped) + b_gu[expert]
+        h = self.project(x, "gate_up_proj", counts, grouped) + b_gu[expert]
         h = clamped_swiglu(h, self.limit, self.alpha)
-        return expert_matmul(h, w_down, counts, grouped) + b_down[expert]
-
-    def _grouped(self, x: torch.Tensor) -> bool:
-        if self.use_grouped_mm is not None:
-            return self.use_grouped_mm
-        supported = grouped_mm_supported(x.device.type, x.dtype)
-        return supported and _aligned(x, self.gate_up_proj, self.down_proj)
-
-    def traceable(self, x: torch.Tensor) -> bool:
-        """Whether torch.compile can trace :meth:`forward` on rows like ``x``."""
-        return self._grouped(x) and grouped_mm_traceable(x.dtype)
+        return self.project(h, "down_proj", counts, grouped) + b_down[expert]
 
 
 class GptOssMoE(MoE):
@@ -110,17 +93,3 @@ class GptOssMoE(MoE):
         self.experts = GptOssExperts(  # type: ignore[assignment]
             args.num_experts, dim, args.expert_dim, limit, alpha
         )
-
-    def enable_expert_parallel(self, mesh: DeviceMesh) -> list[nn.Parameter]:
-        """Shard the four expert tensors (weights and biases) on dimension 0 over ``mesh``."""
-        if self.args.num_experts % mesh.size() != 0:
-            raise ValueError(f"{self.args.num_experts} experts cannot split over {mesh.size()}")
-        params = []
-        for name in EXPERT_PARAMS:
-            weight = getattr(self.experts, name)
-            sharded = nn.Parameter(distribute_tensor(weight.data, mesh, [Shard(0)]))
-            setattr(self.experts, name, sharded)
-            params.append(sharded)
-        self.ep_mesh = mesh
-        self.experts.grad_scale = 1.0 / mesh.size()
-        return params
