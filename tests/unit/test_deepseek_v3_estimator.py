@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.launcher import run_ranks
+from tests.saved_tensors import saved_bytes
 from tests.unit import test_estimator as dense
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -27,23 +28,6 @@ def _args(**changes: object) -> DeepSeekV3Args:
     return dataclasses.replace(a, max_seq_len=64, vocab_size=512, **changes)  # type: ignore[arg-type]
 
 
-def _saved(model: torch.nn.Module, run: object) -> int:
-    """Bytes of the distinct storages autograd saves while ``run()`` runs (not the weights,
-    not the complex RoPE table)."""
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s._cdata not in params and t.dtype != torch.complex64:
-            saved[s._cdata] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()  # type: ignore[operator]
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("layer", [0, 1])
 def test_mla_block_activations_match_saved_tensors(layer: int) -> None:
     """Block 0 (MLA + dense SwiGLU) and block 1 (MLA + MoE), 2 x 64 tokens, fp32 on CPU."""
@@ -54,7 +38,7 @@ def test_mla_block_activations_match_saved_tensors(layer: int) -> None:
     torch.manual_seed(0)
     model = Transformer(a)
     x = torch.randn(2, 64, a.dim, requires_grad=True)
-    got = _saved(model, lambda: model.layers[str(layer)](x, model.freqs_cis[:64]))
+    got = saved_bytes(model, lambda: model.layers[str(layer)](x, model.freqs_cis[:64]))
     formula = layer_activations(a, layer, 128, 4, ONE, "none", "cpu")
     print(f"block {layer}: saved {got} bytes, formula {formula} ({(formula - got) / got:+.3%})")
     assert abs(formula - got) / got < 0.01
@@ -73,7 +57,7 @@ def test_mtp_activations_match_saved_tensors(depth: int) -> None:
     for d in (depth, 0):
         model = Transformer(_args(mtp_depth=d))
         model.init_weights(seed=0)
-        sizes.append(_saved(model, lambda m=model: m(tokens, **m.batch_inputs(tokens))))
+        sizes.append(saved_bytes(model, lambda m=model: m(tokens, **m.batch_inputs(tokens))))
     got = sizes[0] - sizes[1]
     a = _args(mtp_depth=depth)
     blocks = sum(

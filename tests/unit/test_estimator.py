@@ -17,6 +17,7 @@ import torch
 from tests.distributed.test_memory_lever_savings import BENCH
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML
+from tests.saved_tensors import saved_bytes
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.pipeline_plan import plan_pipeline
@@ -106,21 +107,9 @@ def test_tracker_peak_excluding_storages_named_after_the_fact() -> None:
 
 # ---------------------------------------------------------------------- arithmetic
 def saved_block_bytes(model: torch.nn.Module, dim: int, batch: int) -> int:
-    """Bytes autograd saves while block 0 of ``model`` runs forward on ``batch`` x 64 tokens
-    (saved-tensor hooks; the weights and the complex RoPE table are not activations)."""
+    """Bytes autograd saves while block 0 of ``model`` runs forward on ``batch`` x 64 tokens."""
     x = torch.randn(batch, 64, dim, requires_grad=True)
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s._cdata not in params and t.dtype != torch.complex64:
-            saved[s._cdata] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers["0"](x, model.freqs_cis[:64])  # type: ignore[index, operator]
-    return sum(saved.values())
+    return saved_bytes(model, lambda: model.layers["0"](x, model.freqs_cis[:64]))  # type: ignore[index, operator]
 
 
 def test_block_activations_match_saved_tensors() -> None:

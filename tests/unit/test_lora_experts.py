@@ -15,8 +15,8 @@ import torch
 from torch.func import functional_call
 
 from tests.tiny_args import tiny_gpt_oss, tiny_qwen3
+from tests.unit.test_lora_peft import lora_model
 from torchtitan.config.job_config import Lora
-from torchtitan.lora.apply import apply_lora, init_adapters
 from torchtitan.lora.layers import LoRAExperts, is_adapter_name, lora_scaling
 from torchtitan.lora.peft_io import merge_adapters, to_peft
 from torchtitan.models import MODELS
@@ -37,16 +37,7 @@ TARGETS = ["attention.wq", "attention.wo", "feed_forward.experts"]
 
 
 def _lora_model(family: str, args: Any) -> tuple[torch.nn.Module, Lora]:
-    model = MODELS[family].build(args)
-    model.init_weights(seed=1)
-    cfg = Lora(enable=True, rank=4, alpha=8.0, use_rslora=True, target_modules=TARGETS)
-    apply_lora(model, cfg)
-    init_adapters(model, seed=2)
-    with torch.no_grad():  # B starts at zero: give it values so the update shows
-        gen = torch.Generator().manual_seed(5)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.2, generator=gen)
+    model, cfg, _ = lora_model(family, args, TARGETS)
     return model, cfg
 
 

@@ -234,6 +234,14 @@ class Decoder(nn.Module, abc.ABC):
         say where.
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h, freqs_cis, mask = self.run_blocks(h, positions, doc_ids, cache)
+        return self._head(h, tokens, freqs_cis, mask, cache)
+
+    def run_blocks(
+        self, h: Tensor, positions: Tensor | None, doc_ids: Tensor | None, cache: KVCache | None
+    ) -> tuple[Tensor, Tensor, OptMask]:
+        """Hidden states ``h`` through this stage's blocks; returns them with the RoPE table and
+        the attention mask the blocks used (the head and a family's extra modules reuse them)."""
         seqlen = h.shape[1]
         freqs_cis = self.freqs_cis[:seqlen] if positions is None else self.freqs_cis[positions]
         mask = None if doc_ids is None else build_attention_mask(doc_ids, self.args.attn_backend)
@@ -242,7 +250,7 @@ class Decoder(nn.Module, abc.ABC):
                 h = layer(h, freqs_cis, mask=mask)
             else:
                 h = layer(h, freqs_cis, mask=mask, cache=cache.layer(key))
-        return self._head(h, tokens, freqs_cis, mask, cache)
+        return h, freqs_cis, mask
 
     def _head(
         self, h: Tensor, tokens: Tensor, freqs_cis: Tensor, mask: OptMask, cache: KVCache | None

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed.context_parallel import AllGatherKVAttention
 from torchtitan.distributed.init_weights import ParamInit
-from torchtitan.models.common.attention import OptMask, build_attention_mask
+from torchtitan.models.common.attention import OptMask
 from torchtitan.models.common.decoder import BLOCK_INIT, Decoder, FeedForward, TransformerBlock
 from torchtitan.models.common.kv_cache import KVCache
 from torchtitan.models.common.moe import MoE, _AttachAuxLoss
@@ -174,14 +174,7 @@ class Transformer(Decoder):
             h, carried = tokens.split([dim, tokens.shape[-1] - dim], dim=-1)
         else:
             h = tokens
-        seqlen = h.shape[1]
-        freqs_cis = self.freqs_cis[:seqlen] if positions is None else self.freqs_cis[positions]
-        mask = None if doc_ids is None else build_attention_mask(doc_ids, self.args.attn_backend)
-        for key, layer in self.layers.items():
-            if cache is None:
-                h = layer(h, freqs_cis, mask=mask)
-            else:
-                h = layer(h, freqs_cis, mask=mask, cache=cache.layer(key))
+        h, freqs_cis, mask = self.run_blocks(h, positions, doc_ids, cache)
         if self.output is None:  # a pipeline stage before the last
             if not carry:
                 return h
