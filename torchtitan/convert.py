@@ -37,6 +37,7 @@ from torchtitan.checkpoint import storage as io
 from torchtitan.checkpoint.trust import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.models import MODELS
 from torchtitan.models.spec import FamilySpec
+from torchtitan.tools.torch_compat import single_process_dcp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -125,12 +126,13 @@ def _check_same(ours: Shapes, theirs: Shapes, what: str) -> None:
 
 
 def _dcp_read(sd: dict[str, torch.Tensor], checkpoint: Path) -> None:
-    dcp.load(
-        {"model": sd},
-        storage_reader=SafeFileSystemReader(str(checkpoint)),
-        planner=SafeLoadPlanner(),
-        no_dist=not dist.is_initialized(),
-    )
+    with single_process_dcp():  # its warning when no process group is running
+        dcp.load(
+            {"model": sd},
+            storage_reader=SafeFileSystemReader(str(checkpoint)),
+            planner=SafeLoadPlanner(),
+            no_dist=not dist.is_initialized(),
+        )
 
 
 def _nbytes(sd: dict[str, torch.Tensor]) -> int:
@@ -203,7 +205,8 @@ def from_hf(
     if dist.is_initialized():
         dist.barrier()
     t0 = time.perf_counter()
-    dcp.save({"model": sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
+    with single_process_dcp():
+        dcp.save({"model": sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
     seconds = time.perf_counter() - t0
     _say(f"wrote DCP: {_nbytes(sd) / 1e9:.2f} GB on rank 0 in {seconds:.1f} s")
     if dist.is_initialized():

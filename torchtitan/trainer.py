@@ -325,6 +325,7 @@ class Trainer:
             self.lr_scheduler,
             self.dataloader,
         )
+        self.checkpointer.faults = self.faults  # test-only (tools/fault_injection.py)
         resumed = self.checkpointer.load()
         startup.mark("checkpoint load")
         if resumed is not None:

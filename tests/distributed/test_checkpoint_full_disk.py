@@ -136,3 +136,41 @@ def test_full_disk_keeps_the_previous_checkpoint(
     resumed = run_ranks(_run, 2, str(tmp_path), "resume", where, "disabled")
     assert [r["main"] for r in resumed] == ["rc 0: ", "rc 0: "], resumed
     assert resumed[0]["left"] == ["step-2", "step-3"]
+
+
+def _make_folders(tmp: str, fault: str) -> list[str]:
+    """Steps 2 and 4's folders on this rank under ``fault`` (rank 0's mkdir fails from step 4):
+    what each call did, or the one line it raised."""
+    import torch.distributed as dist
+
+    from torchtitan.checkpoint.write_errors import CheckpointWriteError, make_step_folder
+    from torchtitan.tools.fault_injection import parse_faults
+
+    dist.init_process_group("gloo")
+    root, rank = Path(tmp) / "checkpoint", dist.get_rank()
+    faults = parse_faults(rank, fault)
+    out = []
+    for step in (2, 4):
+        try:
+            made = make_step_folder(root, step, rank, dist.group.WORLD, faults)
+            out.append(f"made {made.name}: {made.is_dir()}")
+        except CheckpointWriteError as e:
+            out.append(str(e))
+    dist.barrier()  # no rank is left behind in a collective
+    return out
+
+
+@pytest.mark.parametrize("code", [28, 13])
+def test_rank0_mkdir_failure_reaches_every_rank(tmp_path: Path, code: int) -> None:
+    """Rank 0 cannot create ``step-4.tmp`` (ENOSPC, EACCES): the other rank does not wait for
+    it at the next collective; both raise the same one line (``train`` prints it, exit 4;
+    through ``run_train.sh``: tests/integration/test_run_train_full_disk.py)."""
+    results = run_ranks(_make_folders, 2, str(tmp_path), f"mkdir_error:step=4,errno={code}")
+    assert results[0] == results[1], results
+    assert results[0][0] == "made step-2.tmp: True"
+    line = results[0][1]
+    assert len(line.splitlines()) == 1 and line.startswith("saving step 4 to "), line
+    assert f"errno {code}" in line and "step-4.tmp failed" in line, line
+    want_fix = "free space there" if code == 28 else f"make {tmp_path / 'checkpoint'} writable"
+    assert want_fix in line, line
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2.tmp"]

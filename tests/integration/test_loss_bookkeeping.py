@@ -24,7 +24,9 @@ def live_tensor_bytes() -> tuple[int, int]:
     seen: set[int] = set()
     count = total = 0
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+        # type(), not isinstance: isinstance reads __class__, which warns on torch's
+        # deprecated torch.distributed.reduce_op object.
+        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:
             count += 1
             storage = obj.untyped_storage()
             if storage.data_ptr() not in seen:

@@ -11,13 +11,21 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 WARNING_LINE = re.compile(r"warn|^\S*\[W\d{3,}|deprecat", re.IGNORECASE)
 
 
-def warning_lines(text: str) -> list[str]:
+def warning_lines(text: str, *paths: Path) -> list[str]:
+    """The lines that say "warn"; the checkout's and ``paths`` (folder names such as
+    ``wt-warn``) do not count."""
+    for path in sorted({str(ROOT), *map(str, paths)}, key=len, reverse=True):
+        text = text.replace(path, "<path>")
     return [line for line in text.splitlines() if WARNING_LINE.search(line)]
 
 
@@ -40,7 +48,33 @@ def test_default_run_prints_no_warning(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "training done" in out
-    assert warning_lines(out) == [], out[-4000:]
+    assert warning_lines(out, tmp_path) == [], out[-4000:]
+
+
+def test_a_warning_from_our_code_fails_the_suite(request: pytest.FixtureRequest) -> None:
+    """pyproject's ``filterwarnings``: a warning raised from torchtitan or a test module (by
+    stacklevel too) is an error here, so a new one fails its test instead of joining pytest's
+    summary; so is DCP's single-process note outside ``single_process_dcp``."""
+    if request.config.getoption("pythonwarnings"):
+        pytest.skip("pytest -W given: it overrides pyproject's filterwarnings (to list warnings)")
+    import torch.distributed.checkpoint as dcp
+
+    from torchtitan.data.dataloader import ParallelAwareDataloader
+    from torchtitan.tools.torch_compat import single_process_dcp
+
+    with pytest.raises(UserWarning, match="probe"):
+        warnings.warn_explicit("probe", UserWarning, "x.py", 1, module="torchtitan.probe")
+    with pytest.raises(UserWarning, match="empty state for dp_rank_0"):  # names this caller
+        ParallelAwareDataloader([0], 0, 1, batch_size=1).load_state_dict({})
+    with pytest.raises(UserWarning, match="torch.distributed is disabled"):
+        dcp.save({"x": torch.zeros(1)}, checkpoint_id=str(ROOT / "no-such-dir"), no_dist=True)
+    with warnings.catch_warnings(record=True) as seen, single_process_dcp():
+        warnings.warn(
+            "torch.distributed is disabled, unavailable or uninitialized, assuming the intent "
+            "is to load in a single process.",
+            stacklevel=1,
+        )
+    assert seen == []
 
 
 def test_the_detector_sees_a_warning_the_user_caused() -> None:

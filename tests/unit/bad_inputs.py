@@ -338,6 +338,47 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "does not exist",
     ),
     (
+        "validation-dataset-bad-record",
+        ["--validation.enable", "--validation.dataset_path", "{d}/bad.jsonl"],
+        1,
+        "validation.dataset_path",
+        "bad.jsonl, line 3: the record is not a JSON object",
+    ),
+    (
+        "validation-dataset-no-split-files",
+        ["--validation.enable", "--validation.dataset_path", "{d}/trainonly"],
+        1,
+        "validation.dataset_path",
+        "no data files for split 'validation'",
+    ),
+    (
+        "validation-corpus-no-manifest",
+        [
+            "--validation.enable",
+            "--validation.dataset",
+            "tokenized",
+            "--validation.dataset_path",
+            "{d}/trainonly",
+        ],
+        1,
+        "validation.dataset_path",
+        "manifest.json",
+    ),
+    (
+        "mixture-source-bad-record",
+        ["--job.config_file", "train_configs/debug_model.toml,{d}/mixture_bad.toml"],
+        1,
+        "training.mixture[1].path",
+        "bad.jsonl, line 3: the record is not a JSON object",
+    ),
+    (
+        "mixture-source-no-split-files",
+        ["--job.config_file", "train_configs/debug_model.toml,{d}/mixture_nodata.toml"],
+        1,
+        "training.mixture[0].path",
+        "no data files for split 'train'",
+    ),
+    (
         "eval-unknown-task",
         ["--eval.freq", "10", "--eval.tasks", "no_such_task"],
         1,
@@ -467,7 +508,15 @@ def make_bad_files(d: Path) -> None:
     (d / "latin1.txt").write_bytes(b"hello world\n\ncaf\xe9 au lait\n")
     (d / "nodata").mkdir()
     (d / "nodata" / "validation.jsonl").write_text(good + "\n")
+    (d / "trainonly").mkdir()
+    (d / "trainonly" / "train.jsonl").write_text(good + "\n")
     (d / "broken.toml").write_text("[training\nsteps = 3\n")
+    mixture = '[training]\ndataset = "mixture"\n'
+    source = '[[training.mixture]]\npath = "{}"\nweight = 1.0\n'
+    (d / "mixture_bad.toml").write_text(
+        mixture + source.format("tests/assets/test_corpus") + source.format(d / "bad.jsonl")
+    )
+    (d / "mixture_nodata.toml").write_text(mixture + source.format(d / "nodata"))
     debug = (Path(__file__).resolve().parents[2] / CONFIG[1]).read_text()
     groups = '\n[[optimizer.groups]]\nnames = ["layers.*.attn.*"]\nlr_mult = 0.5\n'
     (d / "groups.toml").write_text(debug + groups)

@@ -85,6 +85,37 @@ def test_reading_errors_name_file_and_line(tmp_path: Path) -> None:
             pass
 
 
+def test_reading_errors_name_the_mixture_source_and_the_validation_field(tmp_path: Path) -> None:
+    """At run time too, errors about a ``[[training.mixture]]`` source or the validation data name
+    that source's or validation's field, not ``training.dataset_path``."""
+    from torchtitan.config.job_config import MixtureSource
+    from torchtitan.data.builder import DataOptions, build_data_loader
+
+    tok = build_tokenizer("tests/assets/tokenizer")
+    good = json.dumps({"text": "hello world " * 20}) + "\n"
+    bad = tmp_path / "late_bad.jsonl"
+    bad.write_text(good * 3 + "{broken\n")
+    mixture = [MixtureSource(path="tests/assets/test_corpus"), MixtureSource(path=str(bad))]
+    options = DataOptions(mixture=mixture)
+    with pytest.raises(DataError, match=re.escape(f"{bad}, line 4: the record is not a JSON")) as e:
+        for _ in build_data_loader("mixture", None, tok, 16, 2, 0, 1, options=options):
+            pass
+    assert e.value.field == "training.mixture[1].path", str(e.value)
+
+    nodata = tmp_path / "nodata"
+    nodata.mkdir()
+    (nodata / "validation.jsonl").write_text(good)
+    mixture = [MixtureSource(path=str(nodata))]
+    with pytest.raises(DataError, match="no data files for split 'train'") as e:
+        build_data_loader("mixture", None, tok, 16, 2, 0, 1, options=DataOptions(mixture=mixture))
+    assert e.value.field == "training.mixture[0].path", str(e.value)
+
+    (nodata / "validation.jsonl").rename(nodata / "train.jsonl")
+    with pytest.raises(DataError, match="no data files for split 'validation'") as e:
+        _loader(nodata, split="validation")
+    assert e.value.field == "validation.dataset_path", str(e.value)
+
+
 def test_offline_unknown_hub_dataset_is_one_message(tmp_path: Path) -> None:
     """Not a preflight check (opening a hub dataset needs the network or the cache): the trainer
     meets it while building the data, before any step, and reports one line, exit 2."""

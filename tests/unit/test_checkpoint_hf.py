@@ -52,7 +52,7 @@ def test_export_matches_transformers_logits(tmp_path: Path) -> None:
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1, "expected several shards at 1 MiB"
     hf_model = transformers.LlamaForCausalLM.from_pretrained(
-        hf_dir, torch_dtype=torch.float32, attn_implementation="eager"
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     tokens = torch.randint(0, ARGS.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

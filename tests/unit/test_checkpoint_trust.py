@@ -25,6 +25,7 @@ from torchtitan.checkpoint.trust import (
     decode_state,
     encode_state,
 )
+from torchtitan.tools.torch_compat import single_process_dcp
 
 
 class _Evil:
@@ -96,22 +97,24 @@ def test_crafted_non_tensor_entry_is_refused(tmp_path: Path) -> None:
     the safe planner refuses bytes that need more than plain data."""
     marker = tmp_path / "pwned"
     folder = tmp_path / "ck"
-    dcp.save(
-        {"x": _Evil(marker), "ok": {"lr": 0.1, "betas": (0.9, 0.95)}},
-        checkpoint_id=str(folder),
-        no_dist=True,
-    )
+    with single_process_dcp():
+        dcp.save(
+            {"x": _Evil(marker), "ok": {"lr": 0.1, "betas": (0.9, 0.95)}},
+            checkpoint_id=str(folder),
+            no_dist=True,
+        )
     assert not marker.exists()
     sd: dict = {"ok": {"lr": 0.0, "betas": (0.0, 0.0)}}
-    dcp.load(
-        sd,
-        storage_reader=SafeFileSystemReader(str(folder)),
-        planner=SafeLoadPlanner(),
-        no_dist=True,
-    )
+    with single_process_dcp():
+        dcp.load(
+            sd,
+            storage_reader=SafeFileSystemReader(str(folder)),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
     assert sd["ok"] == {"lr": 0.1, "betas": (0.9, 0.95)}
     # DCP wraps a rank's exception into its CheckpointException.
-    with pytest.raises(BaseException, match="entry x needs more than plain data"):
+    with single_process_dcp(), pytest.raises(BaseException, match="entry x needs more"):
         dcp.load(
             {"x": None},
             storage_reader=SafeFileSystemReader(str(folder)),

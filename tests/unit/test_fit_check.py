@@ -63,3 +63,34 @@ def test_warn_and_off_let_it_launch() -> None:
     assert line.startswith("memory fit: 1 rank(s) on this host") and "out-of-memory" in line
     off = _cfg("--training.seq_len", "100000000", "--job.fit_check", "off")
     assert check_fit(off, 1, "cpu", host_available=GIB) == []
+
+
+def test_gpu_free_memory_is_read_from_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path that reads the real figure: ``torch.cuda.mem_get_info`` (patched at torch, not
+    at fit.py) of this rank's GPU under torchrun (``LOCAL_RANK``), of the fullest GPU before
+    launch (every rank of the host gets one)."""
+    import torch
+
+    cfg = _cfg()
+    per_rank = estimate_memory(cfg, 1, device_type="cuda").total
+    free = {0: 4 * per_rank, 1: per_rank // 2}
+    asked: list[int] = []
+
+    def mem_get_info(device: int) -> tuple[int, int]:
+        asked.append(device)
+        return free[device], 80 * GIB
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    small = f"{free[1] / GIB:.2f} GiB of GPU memory available"
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(ConfigError, match=small):
+        check_fit(cfg, 1, "cuda", host_available=100 * GIB)
+    assert sorted(asked) == [0, 1]
+    asked.clear()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert check_fit(cfg, 1, "cuda", host_available=100 * GIB) == []
+    assert asked == [0]
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match=small):
+        check_fit(cfg, 1, "cuda", host_available=100 * GIB)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from tests.fuzz_inputs import DEBUG_TOML, ROOT, assert_config_property, snapshot
 from tests.launcher import run_ranks
 
-CORPUS = b"".join((ROOT / "tests/assets/test_corpus/train.jsonl").open("rb").readlines()[:6])
+CORPUS = b"".join((ROOT / "tests/assets/test_corpus/train.jsonl").read_bytes().splitlines(True)[:6])
 HF_TOKENIZER = (ROOT / "tests/assets/hf_tokenizer/tokenizer.json").read_bytes()
 TIKTOKEN = (ROOT / "tests/assets/tokenizer/tokenizer.model").read_bytes()
 

@@ -179,6 +179,8 @@ def test_context_parallel_is_refused_in_preflight() -> None:
         validate_config(cfg, world_size=2)
 
 
+# Uncompiled on purpose (the math, not the kernel): torch says so once per process; expected here.
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 @pytest.mark.parametrize("window", [None, 5])
 def test_flex_kernel_matches_the_eager_path(window: int | None, monkeypatch) -> None:
     """The CUDA kernel's math on CPU (FlexAttention uncompiled, forward only: torch 2.13 has no

@@ -60,9 +60,7 @@ def test_sharded_export_loads_in_transformers_and_reimports_bitwise(
     assert len(files) > 2 and files[-1].endswith(f"-of-{len(files):05d}.safetensors"), files
     config = json.loads((tmp_path / "config.json").read_text())
     hf_cls = getattr(transformers, config["architectures"][0])  # e.g. LlamaForCausalLM
-    hf = hf_cls.from_pretrained(
-        tmp_path, torch_dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    hf = hf_cls.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         diff = (model(_tokens(args.vocab_size)) - hf(_tokens(args.vocab_size)).logits).abs().max()
     print(f"{case}: ours vs transformers {type(hf).__name__}: max abs logit diff {diff:.2e}")

@@ -82,7 +82,7 @@ def hf_with_peft(model: nn.Module, adapter: Any, cfg: Lora, cls: str, tmp: Path)
     save_file(adapter.to_hf(base), str(tmp / "base" / "model.safetensors"))
     (tmp / "base" / "config.json").write_text(json.dumps(adapter.hf_config()))
     hf = getattr(transformers, f"{cls}ForCausalLM").from_pretrained(
-        tmp / "base", torch_dtype=torch.float32, attn_implementation="eager"
+        tmp / "base", dtype=torch.float32, attn_implementation="eager"
     )
     save_peft_adapters(tmp / "peft", dict(model.state_dict()), adapter, cfg, base="ours")
     return peft.PeftModel.from_pretrained(hf, tmp / "peft", is_trainable=True)

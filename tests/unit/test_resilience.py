@@ -163,6 +163,28 @@ def test_fault_spec_parsing() -> None:
         parse_faults(0, "hang:rank=0")
 
 
+def test_full_disk_faults(tmp_path: Path) -> None:
+    """``full_disk``: rank R's DCP writer from step S on writes half, then ENOSPC;
+    ``mkdir_error``: rank 0's creation of step-N.tmp fails from step S on."""
+    import errno
+
+    spec = "full_disk:rank=1,step=4;mkdir_error:step=6,errno=13"
+    zero, one = parse_faults(0, spec), parse_faults(1, spec)
+    assert (
+        zero.checkpoint_writer(4, tmp_path) is None and one.checkpoint_writer(3, tmp_path) is None
+    )
+    writer = one.checkpoint_writer(5, tmp_path)
+    with writer.fs.create_stream(tmp_path / "f", "wb") as stream, pytest.raises(OSError) as e:
+        stream.write(b"0123456789")
+    assert e.value.errno == errno.ENOSPC and (tmp_path / "f").read_bytes() == b"01234"
+    zero.before_checkpoint_mkdir(5)
+    one.before_checkpoint_mkdir(6)  # only rank 0 creates the folder
+    with pytest.raises(PermissionError):
+        zero.before_checkpoint_mkdir(7)
+    with pytest.raises(ValueError, match="needs rank=R"):
+        parse_faults(0, "full_disk:step=4")
+
+
 @pytest.mark.parametrize(
     "field, value, match",
     [

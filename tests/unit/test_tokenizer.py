@@ -83,7 +83,9 @@ def test_decode_accepts_tensors(tok: Tokenizer) -> None:
 
 
 def test_compresses_corpus(tok: Tokenizer) -> None:
-    texts = [json.loads(line)["text"] for line in (CORPUS / "validation.jsonl").open()]
+    texts = [
+        json.loads(line)["text"] for line in (CORPUS / "validation.jsonl").read_text().splitlines()
+    ]
     n_bytes = sum(len(t.encode()) for t in texts)
     n_tokens = sum(len(ids) for ids in tok.encode_batch(texts, bos=False, eos=False))
     assert n_bytes / n_tokens > 3.0  # held-out text; ~4 bytes/token when measured

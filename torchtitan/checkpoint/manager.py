@@ -30,7 +30,6 @@ orders on different ranks (docs/architecture.md, section 9).
 from __future__ import annotations
 
 import pickle
-import shutil
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,8 +60,9 @@ from torchtitan.checkpoint.trust import (
     decode_state,
     encode_state,
 )
-from torchtitan.checkpoint.write_errors import remove_partial_on_write_error
+from torchtitan.checkpoint.write_errors import make_step_folder, remove_partial_on_write_error
 from torchtitan.guards.spikes import TrainingAborted, weights_finite
+from torchtitan.tools.fault_injection import Faults
 from torchtitan.tools.logging import logger
 from torchtitan.tools.torch_compat import DEFAULT_STAGER_SINGLE_USE
 
@@ -147,6 +147,7 @@ class CheckpointManager:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         # Coordination group (main thread only) and the background save's group.
         self.pg = dist.new_group(backend="gloo")
+        self.faults = Faults(self.rank)  # test-only; the trainer passes TORCHTITAN_FAULT's
         self.async_pg = dist.new_group(backend="gloo") if async_mode != "disabled" else None
         # (step, future of this rank's file digests): the background thread writes, then
         # hashes what this rank wrote, so the commit at a step boundary only gathers digests.
@@ -416,19 +417,15 @@ class CheckpointManager:
         if self._pending is not None:
             self._finish_pending()
         t0 = time.perf_counter()
-        tmp = io.tmp_dir(self.root, step)
-        if self.rank == 0:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        dist.barrier(group=self.pg)
+        tmp = make_step_folder(self.root, step, self.rank, self.pg, self.faults)
+        writer = self.faults.checkpoint_writer(step, tmp)  # None (DCP's own) outside tests
         if kind == "full":
             sd = self._state_dict(step, tokens_seen)
         else:
             sd = self._model_only(self.export_dtype if kind == "export" else None)
         if self.async_mode == "disabled" or blocking or kind != "full":
             with remove_partial_on_write_error(self.root, step, self.rank, self.pg):
-                dcp.save(sd, checkpoint_id=str(tmp), process_group=self.pg)
+                dcp.save(sd, checkpoint_id=str(tmp), storage_writer=writer, process_group=self.pg)
                 self._commit(step, kind)
             self.last_save_blocking_s = time.perf_counter() - t0
             what = {
@@ -442,6 +439,7 @@ class CheckpointManager:
         result = dcp.async_save(
             sd,
             checkpoint_id=str(tmp),
+            storage_writer=writer,
             process_group=self.async_pg,
             async_stager=self._stager.for_save(),
         )

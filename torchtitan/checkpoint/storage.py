@@ -240,6 +240,7 @@ def read_model_weights(folder: Path) -> dict:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from torchtitan.checkpoint.trust import SafeFileSystemReader, SafeLoadPlanner
+    from torchtitan.tools.torch_compat import single_process_dcp
 
     metadata = SafeFileSystemReader(str(folder)).read_metadata()
     model: dict = {}
@@ -248,12 +249,13 @@ def read_model_weights(folder: Path) -> dict:
             model[key.removeprefix("model.")] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not model:
         raise ValueError(f"{folder} holds no model weights")
-    dcp.load(
-        {"model": model},
-        storage_reader=SafeFileSystemReader(str(folder)),
-        planner=SafeLoadPlanner(),
-        no_dist=True,
-    )
+    with single_process_dcp():
+        dcp.load(
+            {"model": model},
+            storage_reader=SafeFileSystemReader(str(folder)),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
     return model
 
 
@@ -262,11 +264,14 @@ def write_model_weights(root: Path, step: int, model: dict, kind: str = "seed") 
     from one process; loadable by the trainer as a checkpoint holding only ``model``."""
     import torch.distributed.checkpoint as dcp
 
+    from torchtitan.tools.torch_compat import single_process_dcp
+
     tmp = tmp_dir(root, step)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    dcp.save({"model": model}, checkpoint_id=str(tmp), no_dist=True)
+    with single_process_dcp():
+        dcp.save({"model": model}, checkpoint_id=str(tmp), no_dist=True)
     return commit(root, step, {}, world_size=1, kind=kind)
 
 

@@ -6,7 +6,9 @@ A failed DCP write raises ``CheckpointException`` on every rank (DCP gathers eac
 result and shares the failures), for a blocking save at ``dcp.save`` and for an asynchronous one
 at its future; a failed manifest write on rank 0 is shared by ``CheckpointManager._commit``. So
 every rank enters :func:`remove_partial_on_write_error` together, waits for the others, and
-rank 0 deletes ``step-N.tmp``; nothing else under the checkpoint folder is touched.
+rank 0 deletes ``step-N.tmp``; nothing else under the checkpoint folder is touched. A failed
+creation of ``step-N.tmp`` on rank 0 (before anything is written) is shared by
+:func:`make_step_folder`, and every rank raises the same one line.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from torchtitan.checkpoint import storage as io
+from torchtitan.tools.fault_injection import Faults
 
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 class CheckpointWriteError(RuntimeError):
@@ -54,12 +58,42 @@ def describe(root: Path, step: int, err: OSError) -> str:
     kept = [s for s in io.complete_steps(root) if s != step]
     previous = f"step-{kept[-1]} is intact" if kept else "there is no previous checkpoint"
     why = "the disk is full" if err.errno in FULL else "the write failed"
+    fix = (
+        f"make {root} writable (or point job.dump_folder at a writable disk)"
+        if err.errno in DENIED
+        else "free space there (or lower checkpoint.keep_latest_k, or point job.dump_folder "
+        "at a larger disk)"
+    )
     return (
         f"saving step {step} to {io.tmp_dir(root, step)} failed: {why} "
         f"({err.strerror or err}, errno {err.errno}); its partial files were removed and "
-        f"{previous} in {root}. Fix: free space there (or lower checkpoint.keep_latest_k, or "
-        "point job.dump_folder at a larger disk) and relaunch the same command to resume"
+        f"{previous} in {root}. Fix: {fix} and relaunch the same command to resume"
     )
+
+
+def make_step_folder(
+    root: Path, step: int, rank: int, pg: dist.ProcessGroup | None, faults: Faults
+) -> Path:
+    """Rank 0 (re)creates ``step-N.tmp``. Its ``OSError`` (a full disk, no permission) is
+    broadcast, so every rank raises ``CheckpointWriteError`` together instead of waiting for
+    rank 0 at the next collective; the broadcast also holds the other ranks until the folder
+    exists."""
+    tmp = io.tmp_dir(root, step)
+    failed: list[OSError | None] = [None]
+    if rank == 0:
+        try:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            faults.before_checkpoint_mkdir(step)  # test-only (tools/fault_injection.py)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            failed[0] = e
+            shutil.rmtree(tmp, ignore_errors=True)
+    if pg is not None and dist.get_world_size(pg) > 1:
+        dist.broadcast_object_list(failed, src=0, group=pg)
+    if failed[0] is not None:
+        raise CheckpointWriteError(describe(root, step, failed[0]))
+    return tmp
 
 
 @contextmanager

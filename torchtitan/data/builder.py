@@ -18,7 +18,7 @@ from torchtitan.data.dataloader import (
     build_dataloader,
 )
 from torchtitan.data.mixture import MixtureDataset, Source, TextSource, TokenizedSource
-from torchtitan.data.sources import load_text_dataset
+from torchtitan.data.sources import Fields, load_text_dataset, local_source
 from torchtitan.data.token_shards import MANIFEST, TokenCorpus
 from torchtitan.data.tokenized_dataset import Shuffle, TokenizedDataset, WindowOrder
 from torchtitan.data.tokenizer import AnyTokenizer
@@ -55,14 +55,16 @@ def source_label(source: MixtureSource) -> str:
 
 
 def _mixture_source(
-    src: MixtureSource, tokenizer: AnyTokenizer, seq_len: int, opts: DataOptions
+    i: int, src: MixtureSource, tokenizer: AnyTokenizer, seq_len: int, opts: DataOptions
 ) -> Source:
-    name = source_label(src)
+    """Source ``i`` of the mixture; its errors name ``training.mixture[i]``'s fields."""
+    name, fields = source_label(src), Fields.mixture(i)
     if is_token_corpus(src.path):
-        corpus = TokenCorpus(resolve_repo_path(src.path), tokenizer)
+        corpus = TokenCorpus(resolve_repo_path(src.path), tokenizer, fields.path)
         order = WindowOrder(corpus, seq_len + 1, opts.shuffle, opts.seed)
         return TokenizedSource(name, order, opts.mixture_exhausted)
-    hf, column = load_text_dataset(src.dataset or src.path, src.path or None, "train")
+    text = (src.dataset or src.path, src.path or None, "train", fields)
+    hf, column = load_text_dataset(*text)
     packed = PackedTokenDataset(
         hf,
         tokenizer,
@@ -70,6 +72,7 @@ def _mixture_source(
         infinite=opts.mixture_exhausted == "wrap",
         text_column=column,
         name=name,
+        source=local_source(*text),
     )
     return TextSource(name, packed, tokenizer.eos_id)
 
@@ -90,11 +93,15 @@ class LoaderRequest:
     options: DataOptions
 
 
+def _path_field(split: str) -> str:
+    return "validation.dataset_path" if split == "validation" else "training.dataset_path"
+
+
 def _tokenized(req: LoaderRequest) -> TokenizedDataset:
     if not req.dataset_path:
         raise ValueError('dataset "tokenized" needs dataset_path (a pretokenized corpus)')
     return TokenizedDataset(
-        TokenCorpus(resolve_repo_path(req.dataset_path), req.tokenizer),
+        TokenCorpus(resolve_repo_path(req.dataset_path), req.tokenizer, _path_field(req.split)),
         req.seq_len,
         req.dp_rank,
         req.dp_world_size,
@@ -109,7 +116,10 @@ def _tokenized(req: LoaderRequest) -> TokenizedDataset:
 def _mixture(req: LoaderRequest) -> MixtureDataset:
     opts = req.options
     return MixtureDataset(
-        [_mixture_source(s, req.tokenizer, req.seq_len, opts) for s in opts.mixture],
+        [
+            _mixture_source(i, s, req.tokenizer, req.seq_len, opts)
+            for i, s in enumerate(opts.mixture)
+        ],
         [s.weight for s in opts.mixture],
         req.seq_len,
         req.dp_rank,

@@ -33,7 +33,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful, StatefulDataLoader
 
 from torchtitan.data.checks import DataError, DataSource, data_error
-from torchtitan.data.sources import load_text_dataset, local_source
+from torchtitan.data.sources import Fields, load_text_dataset, local_source
 from torchtitan.data.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:  # ``datasets`` (pandas, pyarrow) is imported when a text dataset is opened
@@ -338,9 +338,9 @@ def build_dataloader(
     ``with_doc_ids``, ``(inputs, labels, doc_ids)`` with int32 document ids of the same shape."""
     if not 0 <= dp_rank < dp_world_size:
         raise ValueError(f"dp_rank must be in [0, {dp_world_size}), got {dp_rank}")
-    hf_dataset, text_column = load_text_dataset(dataset, dataset_path, split)
-    section = "validation" if split == "validation" else "training"
-    source = local_source(dataset, dataset_path, split, section)
+    fields = Fields.of("validation" if split == "validation" else "training")
+    hf_dataset, text_column = load_text_dataset(dataset, dataset_path, split, fields)
+    source = local_source(dataset, dataset_path, split, fields)
     packed = PackedTokenDataset(
         hf_dataset,
         tokenizer,

@@ -17,7 +17,39 @@ from torchtitan.tools.paths import resolve_repo_path
 if TYPE_CHECKING:  # ``datasets`` (pandas, pyarrow) is imported when a dataset is opened
     from datasets import IterableDataset as HFIterableDataset
 
-__all__ = ["DATASETS", "DatasetSpec", "load_text_dataset", "local_data_files", "local_source"]
+__all__ = [
+    "DATASETS",
+    "DatasetSpec",
+    "Fields",
+    "load_text_dataset",
+    "local_data_files",
+    "local_source",
+]
+
+
+@dataclass(frozen=True)
+class Fields:
+    """The config fields an error about a dataset names: the one holding its name and the one
+    holding its local path (``[training]``'s by default; a mixture table's are
+    ``training.mixture[i].dataset`` / ``.path``, validation's ``validation.dataset[_path]``)."""
+
+    name: str = "training.dataset"
+    path: str = "training.dataset_path"
+
+    @classmethod
+    def of(cls, section: str) -> Fields:
+        return cls(f"{section}.dataset", f"{section}.dataset_path")
+
+    @classmethod
+    def mixture(cls, i: int) -> Fields:
+        return cls(f"training.mixture[{i}].dataset", f"training.mixture[{i}].path")
+
+    def naming(self, path_given: bool) -> Fields:
+        """A given path is named by the path field; a name's default location by the name's."""
+        return self if path_given else Fields(self.name, self.name)
+
+
+TRAINING = Fields()
 
 # File name endings -> `datasets` packaged builder (compressed json/txt are read transparently).
 _BUILDERS = {
@@ -46,10 +78,10 @@ def _mentions(rel_path: str, names: tuple[str, ...]) -> bool:
     return any(re.search(rf"(?<![a-z]){n}(?![a-z])", rel_path.lower()) for n in names)
 
 
-def _load_local(path: str, split: str) -> HFIterableDataset:
+def _load_local(path: str, split: str, fields: Fields = TRAINING) -> HFIterableDataset:
     """A file, or a directory of .json/.jsonl/.parquet/.txt files, as a streaming dataset
-    (which files: :func:`local_data_files`)."""
-    files = local_data_files(path, split)
+    (which files: :func:`local_data_files`; errors name ``fields.path``)."""
+    files = local_data_files(path, split, fields.path)
     builder = _builder_for(files[0])
     assert builder is not None
     kwargs: dict[str, Any] = {"sample_by": "paragraph"} if builder == "text" else {}
@@ -105,7 +137,7 @@ def local_data_files(path: str, split: str, field: str = "training.dataset_path"
 
 
 def local_source(
-    dataset: str, dataset_path: str | None, split: str, section: str = "training"
+    dataset: str, dataset_path: str | None, split: str, fields: Fields = TRAINING
 ) -> DataSource | None:
     """The local files :func:`load_text_dataset` reads for these settings (None for a hub
     dataset), named by the config field that points at them."""
@@ -113,18 +145,20 @@ def local_source(
     if spec is not None and spec.loader is not _load_local:
         return None
     if spec is not None or dataset_path:
-        field = f"{section}.dataset_path" if dataset_path else f"{section}.dataset"
+        field = fields.path if dataset_path else fields.name
         path = dataset_path or (spec.default_path if spec is not None else dataset)
     elif resolve_repo_path(dataset).exists():
-        field, path = f"{section}.dataset", dataset
+        field, path = fields.name, dataset
     else:
-        _check_not_a_missing_path(dataset, section)
+        _check_not_a_missing_path(dataset, fields)
         return None
     column = spec.text_column if spec is not None else "text"
     return DataSource(field, path, local_data_files(path, split, field), column)
 
 
-def _load_hub(path: str, split: str, config_name: str | None = None) -> HFIterableDataset:
+def _load_hub(
+    path: str, split: str, fields: Fields = TRAINING, config_name: str | None = None
+) -> HFIterableDataset:
     """A Hugging Face hub dataset (or a local clone of one), streamed."""
     local = resolve_repo_path(path)
     if local.exists():
@@ -136,13 +170,13 @@ def _load_hub(path: str, split: str, config_name: str | None = None) -> HFIterab
     except Exception as e:
         first = (str(e).strip().splitlines() or [""])[0]
         raise DataError(
-            "training.dataset",
+            fields.name,
             path,
             f"could not be opened as a Hugging Face dataset (split {split!r}): "
             f"{type(e).__name__}: {first} (offline runs, HF_DATASETS_OFFLINE=1, can only use "
             "local data or the local cache)",
             f"use a registered name ({', '.join(sorted(DATASETS))}) or set "
-            "training.dataset_path to a local file or directory",
+            f"{fields.path} to a local file or directory",
         ) from e
 
 
@@ -150,39 +184,41 @@ def _load_hub(path: str, split: str, config_name: str | None = None) -> HFIterab
 class DatasetSpec:
     """A named dataset: how to open it and where it lives unless ``dataset_path`` says else."""
 
-    loader: Callable[[str, str], HFIterableDataset]  # (path, split) -> streaming dataset
+    # (path, split, the fields naming them) -> streaming dataset
+    loader: Callable[[str, str, Fields], HFIterableDataset]
     default_path: str
     text_column: str = "text"
 
 
 DATASETS: dict[str, DatasetSpec] = {
     "test_corpus": DatasetSpec(_load_local, "tests/assets/test_corpus"),
-    "c4": DatasetSpec(lambda p, s: _load_hub(p, s, config_name="en"), "allenai/c4"),
+    "c4": DatasetSpec(lambda p, s, f: _load_hub(p, s, f, config_name="en"), "allenai/c4"),
 }
 
 
 def load_text_dataset(
-    dataset: str, dataset_path: str | None = None, split: str = "train"
+    dataset: str, dataset_path: str | None = None, split: str = "train", fields: Fields = TRAINING
 ) -> tuple[HFIterableDataset, str]:
     """The streaming dataset for ``training.dataset`` / ``training.dataset_path`` and its text
     column. A registered name uses its loader (``dataset_path`` overrides its default
     location); otherwise ``dataset_path`` (or ``dataset`` itself, when it is an existing local
-    path) is read as local files; any other name is a hub dataset id."""
+    path) is read as local files; any other name is a hub dataset id. Errors name ``fields``."""
     if dataset in DATASETS:
         spec = DATASETS[dataset]
-        return spec.loader(dataset_path or spec.default_path, split), spec.text_column
+        where = fields.naming(bool(dataset_path))
+        return spec.loader(dataset_path or spec.default_path, split, where), spec.text_column
     if dataset_path:
-        return _load_local(dataset_path, split), "text"
+        return _load_local(dataset_path, split, fields), "text"
     if resolve_repo_path(dataset).exists():
-        return _load_local(dataset, split), "text"
-    _check_not_a_missing_path(dataset)
-    return _load_hub(dataset, split), "text"
+        return _load_local(dataset, split, fields.naming(False)), "text"
+    _check_not_a_missing_path(dataset, fields)
+    return _load_hub(dataset, split, fields), "text"
 
 
-def _check_not_a_missing_path(dataset: str, section: str = "training") -> None:
+def _check_not_a_missing_path(dataset: str, fields: Fields) -> None:
     if dataset.startswith((".", "/", "~")) or _builder_for(Path(dataset)):
         raise DataError(
-            f"{section}.dataset",
+            fields.name,
             dataset,
             "looks like a local path but does not exist",
             f"fix the path, or use a registered dataset ({', '.join(sorted(DATASETS))})",

@@ -51,9 +51,7 @@ def load_weights(
         if found is None:
             raise FileNotFoundError(f"no valid step-N checkpoint under {path}")
         path = found.path
-    with warnings.catch_warnings():  # DCP notes that it reads without a process group
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        sd = io.read_model_weights(path)
+    sd = io.read_model_weights(path)
     args = dataclasses.replace(
         MODELS[model].flavors[flavor], vocab_size=sd["tok_embeddings.weight"].shape[0]
     )

@@ -10,6 +10,8 @@ from pathlib import Path
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.data.builder import is_token_corpus, source_label
+from torchtitan.data.checks import check_files
+from torchtitan.data.sources import Fields, local_source
 from torchtitan.data.token_shards import check_manifest, read_manifest
 from torchtitan.data.tokenizer import AnyTokenizer, build_tokenizer
 from torchtitan.tools.paths import resolve_repo_path
@@ -68,6 +70,12 @@ def _validate_mixture(cfg: JobConfig, tokenizer: AnyTokenizer) -> None:
                 "does not exist",
                 "give a pretokenized corpus folder or local text data",
             )
+        else:  # text: its files exist and their heads decode, as training.dataset_path's
+            text = local_source(
+                src.dataset or src.path, src.path or None, "train", Fields.mixture(i)
+            )
+            if text is not None:
+                check_files(text)
         label = source_label(src)
         if label in labels:
             raise ConfigError(

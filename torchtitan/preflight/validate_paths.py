@@ -12,7 +12,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.data.builder import DATASET_KINDS
 from torchtitan.data.checks import check_files
-from torchtitan.data.sources import local_source
+from torchtitan.data.sources import Fields, local_source
 from torchtitan.data.tokenizer import _TRAIN_HINT, build_tokenizer
 
 
@@ -108,6 +108,6 @@ def _validate_dataset(section: str, dataset: str, dataset_path: str | None, spli
     (validate_data.py, validate_chat.py)."""
     if dataset in DATASET_KINDS or dataset == "chat":
         return
-    source = local_source(dataset, dataset_path, split, section)  # DataError if missing
+    source = local_source(dataset, dataset_path, split, Fields.of(section))  # DataError if missing
     if source is not None:
         check_files(source)

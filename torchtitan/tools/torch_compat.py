@@ -12,10 +12,12 @@ from the call site instead of the torch name.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import inspect
 import re
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ __all__ = [
     "pipeline_dtensor_unsupported_reason",
     "v_schedule_unsupported_reason",
     "require",
+    "single_process_dcp",
     "torch_version_tuple",
     "torchao_unusable_reason",
 ]
@@ -152,3 +155,22 @@ def torchao_unusable_reason() -> str | None:
             f"{want} (pip install 'torchao=={want}.*')"
         )
     return None
+
+
+# DCP's ``save``/``load`` warn "torch.distributed is disabled, unavailable or uninitialized,
+# assuming the intent is to save/load in a single process" even when the caller passes
+# ``no_dist=True`` (torch 2.11 and 2.13 alike: the flag is or-ed with "no process group" before the
+# warning). Our single-process reads and writes (conversion, model-only folders) pass it knowingly.
+_SINGLE_PROCESS_DCP = (
+    r"torch\.distributed is disabled, unavailable or uninitialized, "
+    r"assuming the intent is to (load|save) in a single process"
+)
+
+
+@contextlib.contextmanager
+def single_process_dcp() -> Iterator[None]:
+    """Around a ``dcp.save``/``dcp.load`` with ``no_dist=True``: that one warning silenced, only
+    inside (every other warning, DCP's included, still shows)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_DCP, category=UserWarning)
+        yield

@@ -86,13 +86,15 @@ def flex_sink_attention(
     doc_ids: torch.Tensor | None,
 ) -> torch.Tensor:
     """FlexAttention (compiled) with the window/document mask, then the sinks' rescaling."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
     batch, seq = q.shape[0], q.shape[2]
     block = create_block_mask(
         _mask_mod(window, doc_ids), None if doc_ids is None else batch, None, seq, seq, q.device
     )
-    out, lse = _compiled_flex()(q, k, v, block_mask=block, return_lse=True)
+    # ``return_aux`` (torch 2.11+; ``return_lse`` is deprecated there) gives the log-sum-exp.
+    out, aux = _compiled_flex()(q, k, v, block_mask=block, return_aux=AuxRequest(lse=True))
+    lse = aux.lse
     gate = torch.sigmoid(lse - sinks.to(lse.dtype).view(1, -1, 1))
     return out * gate[..., None].to(out.dtype)
 
