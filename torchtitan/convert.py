@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -35,8 +34,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torchtitan.checkpoint import hf_io
 from torchtitan.checkpoint import storage as io
 from torchtitan.checkpoint.trust import SafeFileSystemReader, SafeLoadPlanner
+from torchtitan.checkpoint.write_errors import CheckpointWriteError, make_step_folder
 from torchtitan.models import MODELS
 from torchtitan.models.spec import FamilySpec
+from torchtitan.tools.fault_injection import Faults
 from torchtitan.tools.torch_compat import single_process_dcp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -198,12 +199,9 @@ def from_hf(
     sd = sharded_empty(shapes, mesh)
     progress = hf_io.load_hf_state_dict(sd, adapter, folder, verbose=_rank() == 0)
     _say(f"read {folder}: {progress.line()} on rank 0")
-    tmp = io.tmp_dir(root, step)
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if dist.is_initialized():
-        dist.barrier()
+    # rank 0 creates step-N.tmp; its error reaches every rank (no rank left at a barrier)
+    pg = dist.group.WORLD if dist.is_initialized() else None
+    tmp = make_step_folder(root, step, _rank(), pg, Faults(_rank()))
     t0 = time.perf_counter()
     with single_process_dcp():
         dcp.save({"model": sd}, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
@@ -285,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path = from_hf(a.hf_folder, a.output, a.model, a.step, a.flavor, dtype, a.verify)
             _say(f"wrote {path}")
+    except CheckpointWriteError as e:  # a full disk or no permission: one line, exit 4
+        print(f"error: {e}", file=sys.stderr)
+        return 4
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

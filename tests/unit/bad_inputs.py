@@ -408,6 +408,13 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "llama3 has no multi-token prediction",
     ),
     (
+        "mtp-with-chunked-loss",
+        ["--model.name", "deepseek_v3", "--training.loss_chunk_size", "64"],
+        1,
+        "training.loss_chunk_size",
+        "the chunked loss does not take the multi-token-prediction losses",
+    ),
+    (
         "config-file-missing",
         ["--job.config_file", "{d}/missing.toml"],
         1,

@@ -65,6 +65,19 @@ def test_dtype_and_flavor_checks(tmp_path: Path) -> None:
         )
 
 
+def test_an_output_that_cannot_be_created_is_one_line_and_exit_4(tmp_path: Path, capsys) -> None:
+    """The step folder rank 0 cannot create (here: its parent is a file; a full disk or a
+    read-only mount alike) ends the run with exit 4 and one line, as training's saves do."""
+    family, args = CASES["llama3"]
+    sd = {k: v.detach().clone() for k, v in model_of("llama3", seed=1).state_dict().items()}
+    convert.to_hf(write_model_weights(tmp_path / "ck", 0, sd), tmp_path / "hf", family, args, None)
+    (tmp_path / "blocked").write_text("a file where the output folder should go\n")
+    argv = ["from-hf", str(tmp_path / "hf"), str(tmp_path / "blocked" / "out"), "--model", family]
+    assert convert.main(argv) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "blocked" in err[0], err
+
+
 def _convert_on_ranks(argv: list[str]) -> int:
     return convert.main(argv)
 

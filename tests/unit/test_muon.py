@@ -148,7 +148,8 @@ def _groups_of(model_name: str, flavor: str, o: Optimizer) -> list[dict]:
 
 @pytest.mark.parametrize("name", ["AdamW", "Muon"])
 @pytest.mark.parametrize(
-    "model_name, flavor", [("llama3", "debugmodel"), ("qwen3", "debugmodel_moe")]
+    "model_name, flavor",
+    [("llama3", "debugmodel"), ("qwen3", "debugmodel_moe"), ("gpt_oss", "debugmodel")],
 )
 def test_default_groups_never_decay_norms_biases_embeddings(name, model_name, flavor) -> None:
     groups, model = _groups_of(model_name, flavor, Optimizer(name=name, weight_decay=0.1))
@@ -165,10 +166,16 @@ def test_default_groups_never_decay_norms_biases_embeddings(name, model_name, fl
         assert decay[n] == 0.0, f"{n} is decayed by the default groups ({decay[n]})"
         assert algo[n] == "adamw"
     assert decay["output.weight"] == 0.1 and algo["output.weight"] == "adamw"
+    biases = [n for n, _ in model.named_parameters() if n.endswith("bias")]
+    assert all(decay[n] == 0.0 and algo[n] == "adamw" for n in biases), biases
     matrices = [n for n, p in model.named_parameters() if p.ndim >= 2 and "router" not in n
-                and n not in embeddings and n != "output.weight"]  # fmt: skip
+                and n not in embeddings + biases and n != "output.weight"]  # fmt: skip
     assert all(decay[n] == 0.1 for n in matrices)
     assert all(algo[n] == ("muon" if name == "Muon" else "adamw") for n in matrices)
+    if model_name == "gpt_oss":  # its own expert class: expert matrices, biases apart
+        kinds = {g["group"]: g for g in groups}
+        assert any("experts.gate_up_proj" in n and not n.endswith("bias")
+                   for g in groups if "experts" in g["group"] for n in g["names"]), kinds.keys()  # fmt: skip
     if model_name == "qwen3":
         assert algo["layers.0.feed_forward.router.gate.weight"] == "adamw"
         assert algo["layers.0.feed_forward.experts.w1"] == algo["layers.0.attention.wq.weight"]

@@ -94,11 +94,16 @@ def param_kinds(
             else:
                 kinds[full] = "matrix" if p.ndim >= 2 else "other"
     # A declared kind covers the module's submodules too (the Router's gate Linear).
+    # Biases keep their own kind unless the declared one is a norm's or the router's (GPT-OSS's
+    # experts' stacked biases are biases, not expert matrices).
     for raw_name, module in part.named_modules():
         declared = getattr(type(module), "param_kind", None)
         if isinstance(declared, str) and raw_name:
             for pname, _ in module.named_parameters():
-                kinds[clean_name(f"{raw_name}.{pname}")] = declared
+                leaf = pname.rsplit(".", 1)[-1]
+                is_bias = leaf == "bias" or leaf.endswith("_bias")
+                own = "bias" if is_bias and declared not in ("norm", "router") else declared
+                kinds[clean_name(f"{raw_name}.{pname}")] = own
     return kinds
 
 

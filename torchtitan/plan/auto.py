@@ -43,12 +43,14 @@ CPU_GLOO = Hardware(
     gemm_half_width=32.0,
     reduce_scatter_factor=1.75,
     optimizer_gbps=10.0,
+    sync_us=490.0,
     device_type="cpu",
 )
 """CPU ranks talking over gloo, as measured on a 2-core machine by
 ``benchmarks/planner_vs_measured.py`` on a shared 2-core machine (medians: fp32 matmul of one
 core, gloo all-gather bandwidth, small all-reduce latency, reduce-scatter/all-gather ratio, fused
-AdamW rate; table in docs/planning.md). gloo runs its collectives on the
+AdamW rate; the skew a collective between two computations pays, ``sync_us``; table in
+docs/planning.md). gloo runs its collectives on the
 same cores as the compute, so nothing hides behind compute (``fsdp_overlap`` 0); the ranks of
 one host reach each other alike, so "across nodes" costs what "in a node" does."""
 

@@ -60,8 +60,8 @@ def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
 def validate_mtp(cfg: JobConfig, dims: ParallelDims) -> None:
     """The multi-token-prediction overrides need a family with MTP (deepseek_v3). MTP runs under
     pipeline parallel (on the last stage) and under context parallel's ``allgather`` method; its
-    shifted tokens are not passed through ``ring`` attention's in-place sharding (refused;
-    docs/deepseek_v3.md)."""
+    shifted tokens are not passed through ``ring`` attention's in-place sharding, and the chunked
+    loss, which defers the output head, has no MTP losses (both refused; docs/deepseek_v3.md)."""
     args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
     has_mtp = hasattr(args, "mtp_depth")
     for name in ("mtp_depth", "mtp_loss_weight"):
@@ -74,6 +74,14 @@ def validate_mtp(cfg: JobConfig, dims: ParallelDims) -> None:
                 "remove it, or use --model.name deepseek_v3",
             )
     depth = cfg.model.mtp_depth if cfg.model.mtp_depth >= 0 else getattr(args, "mtp_depth", 0)
+    if depth > 0 and cfg.training.loss_chunk_size > 0:
+        # the chunked loss defers the output head: the MTP modules would get hidden states
+        raise ConfigError(
+            "training.loss_chunk_size",
+            cfg.training.loss_chunk_size,
+            "the chunked loss does not take the multi-token-prediction losses",
+            "set --training.loss_chunk_size 0 (or --model.mtp_depth 0)",
+        )
     method = cfg.parallelism.context_parallel_method
     if depth > 0 and dims.cp > 1 and method == "ring":
         raise ConfigError(

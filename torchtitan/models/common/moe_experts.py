@@ -104,6 +104,7 @@ class StackedExperts(nn.Module):
     activations stay in the family's ``forward``. Expert parallel shards every direct parameter on
     dimension 0 and sets ``grad_scale``."""
 
+    param_kind = "experts"  # optimizer kind: Muon treats each expert's matrix on its own
     projections: tuple[str, ...] = ()
     use_grouped_mm: bool | None
     """None: decided by :func:`grouped_mm_supported`; True/False forces a path."""
@@ -131,7 +132,6 @@ class Experts(StackedExperts):
     """``E`` SwiGLU experts as stacked weights: ``w1``/``w3`` ``[E, dim, hidden]``, ``w2``
     ``[E, hidden, dim]`` (a token's row times the matrix, no transpose)."""
 
-    param_kind = "experts"  # optimizer kind: Muon treats each expert's matrix on its own
     projections = ("w1", "w2", "w3")
 
     def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
