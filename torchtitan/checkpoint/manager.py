@@ -269,6 +269,16 @@ class CheckpointManager:
         except (OSError, RuntimeError) as e:
             return e
 
+    def _load_lr_scheduler(self, saved: dict[str, Any]) -> None:
+        """The schedule's position (``last_epoch``, ``_step_count``) from ``saved``; the rates per
+        group from this optimizer's groups, restored by name just before: another layout may
+        have other groups (a pipeline stage holds only some), so a saved per-group list would
+        not line up."""
+        own = self.lr_scheduler.state_dict()
+        own.update({k: saved[k] for k in ("last_epoch", "_step_count") if k in saved})
+        own["_last_lr"] = [g["lr"] for g in self.optimizer.param_groups]
+        self.lr_scheduler.load_state_dict(own)
+
     def _load_from(
         self, path: Path, components: set[str] | frozenset[str]
     ) -> dict[str, int] | None:
@@ -293,7 +303,8 @@ class CheckpointManager:
         if "model" in components:
             sd["model"] = model_state_dict(self.model_parts)
         if "optimizer" in components:
-            sd["optimizer"] = optimizer_state_dict(self.model_parts, self.optimizer)
+            legacy = any(k.startswith("optimizer.param_groups.0.") for k in saved)
+            sd["optimizer"] = optimizer_state_dict(self.model_parts, self.optimizer, legacy)
         for name in ("lr_scheduler", "train_state"):
             if name in components:
                 sd[name] = blank(name)
@@ -310,9 +321,6 @@ class CheckpointManager:
         if "rng" in components:
             rng_key = f"rank_{self.rank}" if f"rng.rank_{self.rank}" in saved else "rank_0"
             sd["rng"] = {rng_key: blank(f"rng.{rng_key}")}
-        own_params = (
-            [g["params"] for g in sd["optimizer"]["param_groups"]] if "optimizer" in sd else []
-        )
         dcp.load(
             sd,
             storage_reader=SafeFileSystemReader(str(path)),
@@ -323,20 +331,9 @@ class CheckpointManager:
             load_model_state_dict(self.model_parts, sd["model"])
             self.model_loaded = True
         if "optimizer" in sd:
-            # ``param_groups`` holds no tensors, so DCP stores one copy of it (one rank's). Under
-            # PP each rank's groups list only its own stages' parameters: keep this rank's
-            # names and take the loaded hyperparameters (lr, betas, ...).
-            groups = sd["optimizer"]["param_groups"]
-            if len(groups) != len(own_params):
-                raise RuntimeError(
-                    f"checkpoint {path}: {len(groups)} optimizer param groups, this optimizer "
-                    f"has {len(own_params)}"
-                )
-            for group, names in zip(groups, own_params):
-                group["params"] = names
             load_optimizer_state_dict(self.model_parts, self.optimizer, sd["optimizer"])
         if "lr_scheduler" in sd:
-            self.lr_scheduler.load_state_dict(decode_state(sd["lr_scheduler"]))
+            self._load_lr_scheduler(decode_state(sd["lr_scheduler"]))
         if "dataloader" in sd:
             self.dataloader.load_state_dict(
                 {

@@ -52,35 +52,65 @@ def _strip_part_index(name: str) -> str:
     return name.split(".", 1)[1]
 
 
-def optimizer_state_dict(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict:
+def _group_name(group: dict[str, Any], index: int) -> str:
+    return str(group.get("group", f"group{index}"))
+
+
+def optimizer_state_dict(
+    parts: list[nn.Module], optimizer: torch.optim.Optimizer, legacy: bool = False
+) -> dict:
     """The optimizer state keyed by full-model parameter names.
 
     torch's helper maps parameters to names through one module; one optimizer spans all parts
     here, so the parts go in an ``nn.ModuleList`` and its ``<index>.`` prefix is removed (the
     index of a stage on this rank is not a property of the model, and changes with the
-    pipeline layout)."""
+    pipeline layout).
+
+    ``param_groups`` are keyed by group name, without their parameter names: DCP keeps one copy
+    of each non-tensor entry, and under pipeline parallel each rank's groups hold its own
+    stages' parameters, in an order of their own (stage 0 has the embedding's group, the last
+    stage the output's); a group's hyperparameters are the same on every rank that has it.
+    ``legacy``: the list form of checkpoints written before (matched by position on load)."""
     osd: dict[str, Any] = get_optimizer_state_dict(nn.ModuleList(parts), optimizer)  # type: ignore[assignment]
-    return {
-        "state": {_strip_part_index(k): v for k, v in osd["state"].items()},
-        "param_groups": [
+    state = {_strip_part_index(k): v for k, v in osd["state"].items()}
+    if legacy:
+        groups: Any = [
             {**g, "params": [_strip_part_index(k) for k in g["params"]]}
             for g in osd["param_groups"]
-        ],
-    }
+        ]
+    else:
+        groups = {
+            _group_name(g, i): {k: v for k, v in g.items() if k != "params"}
+            for i, g in enumerate(osd["param_groups"])
+        }
+    return {"state": state, "param_groups": groups}
 
 
 def load_optimizer_state_dict(
     parts: list[nn.Module], optimizer: torch.optim.Optimizer, osd: dict
 ) -> None:
+    """Load ``osd`` (from :func:`optimizer_state_dict`): each of this optimizer's groups keeps
+    its own parameters and takes the hyperparameters saved under its name (or, from a legacy
+    checkpoint, at its position)."""
     prefixed = {
         name: f"{i}.{name}" for i, part in enumerate(parts) for name, _ in part.named_parameters()
     }
-    full = {
-        "state": {prefixed[k]: v for k, v in osd["state"].items()},
-        "param_groups": [
-            {**g, "params": [prefixed[k] for k in g["params"]]} for g in osd["param_groups"]
-        ],
-    }
+    current: dict[str, Any] = get_optimizer_state_dict(nn.ModuleList(parts), optimizer)  # type: ignore[assignment]
+    loaded = osd["param_groups"]
+    groups = []
+    for i, own in enumerate(current["param_groups"]):
+        if isinstance(loaded, list):
+            saved = loaded[i]
+        else:
+            name = _group_name(own, i)
+            if name not in loaded:
+                raise RuntimeError(
+                    f"the checkpoint has no optimizer param group {name!r} "
+                    f"(it has {sorted(loaded)}): the optimizer groups changed since it was saved"
+                )
+            saved = loaded[name]
+        groups.append({**saved, "params": own["params"]})
+    full = {"state": {prefixed[k]: v for k, v in osd["state"].items()}, "param_groups": groups}
     set_optimizer_state_dict(nn.ModuleList(parts), optimizer, full)  # type: ignore[arg-type]
 
 
