@@ -59,15 +59,12 @@ def _node(port: int, dump: Path, log: Path) -> subprocess.Popen:
         env.pop(key, None)
     cmd = ["bash", str(root / "scripts" / "multinode_trainer.slurm"), "--job.dump_folder"]
     cmd += [str(dump), *TINY, "--training.steps", str(STEPS), *LAYOUT]
-    # A session of its own, so that a hung run can be killed with its ranks.
-    return subprocess.Popen(
-        cmd,
-        cwd=root,
-        env=env,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    # A session of its own, so that a hung run can be killed with its ranks. The child keeps
+    # its own copy of the log's descriptor; ours is closed once it has started.
+    with log.open("w") as out:
+        return subprocess.Popen(
+            cmd, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 @pytest.mark.slow
