@@ -102,6 +102,10 @@ def test_cycle_missing_base_and_unknown_key_are_one_line_errors(tmp_path: Path) 
     assert "(in " + bad_type + ")" in _error(["--job.config_file", bad_type])
     not_a_path = _write(tmp_path / "n.toml", "extends = 3\n")
     assert "must be a file path" in _error(["--job.config_file", not_a_path])
+    # A NUL byte in a path (found by the slow fuzz tier) is a bad path, not a ValueError.
+    assert "must be an existing TOML file" in _error(["--job.config_file", "a\x00.toml"])
+    nul = _write(tmp_path / "nul.toml", 'extends = "b\\u0000.toml"\n')
+    assert "must be a file path" in _error(["--job.config_file", nul])
 
 
 def test_config_cli_prints_sources(chain: dict[str, str], capsys: pytest.CaptureFixture) -> None:

@@ -192,12 +192,15 @@ def _manifest_edits() -> st.SearchStrategy[list[tuple[str, Any]]]:
 def _edit(manifest: Any, key: str, value: Any) -> None:
     *parents, leaf = key.split(".")
     node = manifest
-    for p in parents:
-        node = node[int(p)] if isinstance(node, list) else node.get(p)
+    for p in parents:  # an earlier edit may have made a parent a list or a scalar: skip then
+        if isinstance(node, list):
+            node = node[int(p)] if p.isdigit() and int(p) < len(node) else None
+        else:
+            node = node.get(p)
         if not isinstance(node, (dict, list)):
             return
     if isinstance(node, list):
-        if int(leaf) < len(node):
+        if leaf.isdigit() and int(leaf) < len(node):
             node[int(leaf)] = value
     elif value is None:
         node.pop(leaf, None)

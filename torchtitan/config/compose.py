@@ -45,6 +45,10 @@ def chain(path: str, load: Callable[[str], dict[str, Any]]) -> list[Layer]:
     layers: list[Layer] = []
     seen: list[str] = []
     current = path
+    if "\x00" in path:  # no file has such a name (and os.path refuses it with a ValueError)
+        raise ConfigError(
+            "job.config_file", path, "must be an existing TOML file", "check the path"
+        )
     while True:
         key = os.path.realpath(current)
         if key in seen:
@@ -61,7 +65,7 @@ def chain(path: str, load: Callable[[str], dict[str, Any]]) -> list[Layer]:
         layers.append((current, mapping))
         if base is None:
             return layers[::-1]
-        if not isinstance(base, str) or not base:
+        if not isinstance(base, str) or not base or "\x00" in base:
             raise ConfigError(
                 EXTENDS, base, f"in {current}: must be a file path", 'write extends = "base.toml"'
             )
