@@ -209,7 +209,11 @@ def reduce_partial_grads(parameters: Iterable[nn.Parameter]) -> None:
 
     Pending sums on the same mesh axes travel together: one all-reduce of their concatenation
     per axis (a model's norm weights: one collective per step, not one each)."""
-    groups: dict[tuple[DeviceMesh, tuple[int, ...]], list[tuple[nn.Parameter, DTensor]]] = {}
+    # one concatenation per (mesh, axes, dtype): torch.cat would promote a mix of dtypes
+    groups: dict[
+        tuple[DeviceMesh, tuple[int, ...], torch.dtype], list[tuple[nn.Parameter, DTensor]]
+    ]
+    groups = {}
     for p in parameters:
         g = p.grad
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
@@ -217,8 +221,8 @@ def reduce_partial_grads(parameters: Iterable[nn.Parameter]) -> None:
             if any(getattr(g.placements[i], "reduce_op", None) != "sum" for i in axes):
                 p.grad = _replicate_partial(g)  # an average or max: DTensor's own reduction
                 continue
-            groups.setdefault((g.device_mesh, axes), []).append((p, g))
-    for (mesh, axes), pairs in groups.items():
+            groups.setdefault((g.device_mesh, axes, g.dtype), []).append((p, g))
+    for (mesh, axes, _), pairs in groups.items():
         locals_ = [g.to_local() for _, g in pairs]
         flat = torch.cat([t.reshape(-1) for t in locals_])
         for axis in axes:
