@@ -23,25 +23,10 @@ import pytest
 from tests.checkpoint_helpers import ckpt_argv
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML
+from torchtitan.tools.fault_injection import _HalfWrite  # the fault hooks' half-writing stream
 
 FULL_FROM_STEP = 4
 LOCAL = ("--training.local_batch_size", "4")  # x 2 ranks = the global batch of 8
-
-
-class _FullDiskStream:
-    """The file stream, except that ``write`` writes half of what it is given and then finds
-    the disk full."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def write(self, data: Any) -> int:
-        self.inner.write(bytes(data)[: max(1, len(data) // 2)])
-        self.inner.flush()
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
 def _install_full_disk(where: str) -> None:
@@ -61,7 +46,7 @@ def _install_full_disk(where: str) -> None:
         @contextlib.contextmanager
         def create_or_fill(self: Any, path: Any, mode: str) -> Iterator[Any]:
             with create_stream(self, path, mode) as stream:
-                yield _FullDiskStream(stream) if "w" in mode and full(path) else stream
+                yield _HalfWrite(stream) if "w" in mode and full(path) else stream
 
         FileSystem.create_stream = create_or_fill  # type: ignore[method-assign]
     if where == "manifest" and rank == 0:
