@@ -7,28 +7,19 @@ that differentiates through the merge instead of the low-rank path."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import pytest
 import torch
 from torch.func import functional_call
 
-from tests.tiny_args import tiny_gpt_oss, tiny_qwen3
-from tests.unit.test_lora_peft import lora_model
+from tests.tiny_args import tiny_gpt_oss
+from tests.unit.test_lora_peft import QWEN_MOE, lora_model
 from torchtitan.config.job_config import Lora
 from torchtitan.lora.layers import LoRAExperts, is_adapter_name, lora_scaling
 from torchtitan.lora.peft_io import merge_adapters, to_peft
 from torchtitan.models import MODELS
-from torchtitan.models.common.moe import MoEArgs
 
-QWEN_MOE = dataclasses.replace(
-    tiny_qwen3(),
-    n_layers=2,
-    tie_word_embeddings=False,
-    moe=MoEArgs(num_experts=4, top_k=2, expert_dim=32),
-    moe_layers=(0,),
-)
 CASES: dict[str, tuple[str, Any, tuple[str, ...]]] = {
     "qwen3_moe": ("qwen3", QWEN_MOE, ("w1", "w2", "w3")),
     "gpt_oss": ("gpt_oss", tiny_gpt_oss(), ("gate_up_proj", "down_proj")),
