@@ -203,6 +203,30 @@ def test_mtp_matches_the_paper() -> None:
     assert model.mtp["1"].eh_proj.weight.grad.abs().sum() > 0  # the second depth trains
 
 
+# torch's CPU RMSNorm notes that bf16 rows with an fp32 weight skip its fused kernel.
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")
+def test_mtp_trains_under_autocast() -> None:
+    """Mixed precision without FSDP (the trainer's autocast, one GPU): the MTP block's MoE
+    takes bf16 rows from its bf16 projection while its experts' weights stay fp32 (on an H100 this
+    raised a dtype mismatch in ``torch._grouped_mm``). Loss and gradients stay near fp32's."""
+    model = Transformer(tiny_deepseek_v3(mtp_depth=1, mtp_loss_weight=0.3))
+    model.init_weights(seed=5)
+    tokens = hf_parity.tokens()
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    losses, grads = [], []
+    for enabled in (True, False):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            logits = model(inputs)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        losses.append(loss.item() + 0.3 * model.mtp_loss.item())
+        grads.append(model.mtp["0"].block.moe.experts.w1.grad.clone())
+    print(f"loss bf16 autocast {losses[0]:.5f} vs fp32 {losses[1]:.5f}")
+    assert abs(losses[0] - losses[1]) <= 2e-2 * losses[1]
+    assert ((grads[0] - grads[1]).norm() / grads[1].norm()).item() <= 5e-2
+
+
 def test_mtp_weight_zero_leaves_the_main_model_alone() -> None:
     """With weight 0 the main model's gradients equal a model without MTP."""
     with_mtp = Transformer(tiny_deepseek_v3(mtp_depth=1, mtp_loss_weight=0.0))

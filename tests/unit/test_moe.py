@@ -63,6 +63,30 @@ def test_grouped_mm_equals_the_per_expert_loop() -> None:
     assert diff <= 1e-6 and gdiff <= 1e-5
 
 
+@pytest.mark.skipif(not grouped_mm_supported("cpu", torch.bfloat16), reason="no grouped_mm here")
+def test_experts_follow_autocast() -> None:
+    """Under autocast (mixed precision without FSDP) the experts multiply in autocast's dtype
+    whatever the rows' dtype: bf16 rows with fp32 weights (what a block after a bf16 projection
+    gives them) ran ``torch._grouped_mm`` on mixed dtypes and failed. Both paths and both row
+    dtypes agree, and the fp32 weights get fp32 gradients."""
+    layer = _layer(MoEArgs(num_experts=8, top_k=2, expert_dim=16))
+    outs, grads = [], []
+    for rows_dtype in (torch.bfloat16, torch.float32):
+        for grouped in (True, False):
+            layer.experts.use_grouped_mm = grouped
+            layer.zero_grad()
+            x = torch.randn(3, 20, DIM, generator=torch.Generator().manual_seed(4))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = layer(x.to(rows_dtype))
+            out.float().square().sum().backward()
+            assert layer.experts.w1.grad.dtype == torch.float32
+            outs.append(out.detach().float())
+            grads.append(layer.experts.w1.grad.clone())
+    for out, grad in zip(outs[1:], grads[1:]):
+        assert (out - outs[0]).abs().max().item() <= 2e-2
+        assert ((grad - grads[0]).norm() / grads[0].norm()).item() <= 2e-2
+
+
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 def test_dropless_dispatch_equals_dense_reference(score_func: str) -> None:
     args = MoEArgs(

@@ -19,6 +19,7 @@ __all__ = [
     "Experts",
     "SharedExpert",
     "StackedExperts",
+    "compute_dtype",
     "expert_matmul",
     "grouped_mm_supported",
     "grouped_mm_traceable",
@@ -88,8 +89,20 @@ def _probe_meta(dtype: torch.dtype) -> bool:
         return False
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts multiply in: autocast's where it is on for ``x``'s device (the
+    trainer's mixed precision without FSDP, docs/memory.md), else ``x``'s. ``torch._grouped_mm``
+    has no autocast rule, so the experts cast as autocast would."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
 def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool):
-    """Rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert ``e``) times ``w[e]``."""
+    """Rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert ``e``) times ``w[e]``, in
+    :func:`compute_dtype` (under autocast both are cast to its dtype first)."""
+    dtype = compute_dtype(x)
+    x, w = x.to(dtype), w.to(dtype)
     if grouped:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
@@ -119,13 +132,14 @@ class StackedExperts(nn.Module):
     def _grouped(self, x: torch.Tensor) -> bool:
         if self.use_grouped_mm is not None:
             return self.use_grouped_mm
+        dtype = compute_dtype(x)
         ws = (getattr(self, n) for n in self.projections)
-        return grouped_mm_supported(x.device.type, x.dtype) and _aligned(x, *ws)
+        return grouped_mm_supported(x.device.type, dtype) and _aligned(dtype, x, *ws)
 
     def traceable(self, x: torch.Tensor) -> bool:
         """Whether torch.compile can trace the forward on rows like ``x``: the grouped GEMM
         (the loop needs the split sizes on the host) with a meta kernel for the dtype."""
-        return self._grouped(x) and grouped_mm_traceable(x.dtype)
+        return self._grouped(x) and grouped_mm_traceable(compute_dtype(x))
 
 
 class Experts(StackedExperts):
@@ -159,9 +173,9 @@ def local_weight(w: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
     return local if grad_scale == 1.0 else scale_grad(local, grad_scale)
 
 
-def _aligned(x: torch.Tensor, *ws: torch.Tensor) -> bool:
-    """grouped_mm needs every row stride to be a multiple of 16 bytes."""
-    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in (x, *ws))
+def _aligned(dtype: torch.dtype, x: torch.Tensor, *ws: torch.Tensor) -> bool:
+    """grouped_mm needs every row stride (in ``dtype``) to be a multiple of 16 bytes."""
+    return all((t.shape[-1] * dtype.itemsize) % 16 == 0 for t in (x, *ws))
 
 
 class SharedExpert(nn.Module):
