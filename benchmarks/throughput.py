@@ -59,6 +59,8 @@ _F8_TW = ["--quantize.dense.float8.enable", "--quantize.dense.float8.recipe_name
 _F8_RW = ["--quantize.dense.float8.enable", "--quantize.dense.float8.recipe_name", "rowwise"]
 _BLOCK = ["--model.attn_mask_type", "block_causal"]
 _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+_DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+_GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
 LADDER: list[tuple[str, list[str]]] = [
     ("eager", []),
     ("compile", _COMPILE),
@@ -81,6 +83,13 @@ LADDER: list[tuple[str, list[str]]] = [
     ("qwen3", ["--model.name", "qwen3", "--model.flavor", "debugmodel"]),
     ("qwen3_moe", _MOE),
     ("qwen3_moe+ac_full", _MOE + _AC_FULL),
+    ("compile+qwen3_moe", _COMPILE + _MOE),
+    # The other families' debug flavors (DeepSeek-V3: MLA, sigmoid routing, one MTP depth;
+    # GPT-OSS: sinks, sliding windows, biased experts): scripts/gpu_check.sh runs them.
+    ("deepseek_v3", _DSV3),
+    ("compile+deepseek_v3", _COMPILE + _DSV3),
+    ("gpt_oss", _GPT_OSS),
+    ("compile+gpt_oss", _COMPILE + _GPT_OSS),
 ]
 
 

@@ -3,7 +3,10 @@
 #
 #   scripts/gpu_check.sh           environment, the gpu-marked tests, the throughput ladder of the
 #                                  1B shape at seq 8192 (eager, compile, compile + float8
-#                                  tensorwise / rowwise), then train 30 steps with async pinned
+#                                  tensorwise / rowwise, FlexAttention document masking), the
+#                                  MoE families' debug flavors (Qwen3-MoE, DeepSeek-V3, GPT-OSS;
+#                                  eager and compile, bf16 autocast), the experts' grouped GEMM
+#                                  against their loop, then train 30 steps with async pinned
 #                                  checkpoints, resume to step 40 and generate from the checkpoint
 #   scripts/gpu_check.sh --cpu     the same sequence, small, on CPU (debug model, `async` saves):
 #                                  what a machine without a GPU (and CI) can check of this script
@@ -30,6 +33,9 @@ if [[ $mode == gpu ]]; then
     ladder_args=(--warmup 3 --steps "${LADDER_STEPS:-10}" -- "${debug[@]}" --model.flavor 1B
         --training.seq_len 8192 --training.local_batch_size 1
         --training.mixed_precision_param bfloat16)
+    families_only="qwen3_moe,compile+qwen3_moe,deepseek_v3,compile+deepseek_v3,gpt_oss,compile+gpt_oss"
+    families_args=(--warmup 3 --steps "${LADDER_STEPS:-10}" -- "${debug[@]}" --training.seq_len 4096
+        --training.local_batch_size 2 --training.mixed_precision_param bfloat16)
     train_args=("${debug[@]}" --checkpoint.enable --checkpoint.interval 5
         --checkpoint.async_mode async_with_pinned_mem --metrics.log_freq 10)
     steps=30 more=40 new_tokens=32
@@ -37,6 +43,8 @@ else
     ladder_only="eager"
     ladder_args=(--warmup 1 --steps 2 --peak-budget 0.3 -- "${debug[@]}" --training.seq_len 64
         --training.local_batch_size 2 --training.mixed_precision_param float32)
+    families_only="qwen3_moe,deepseek_v3,gpt_oss"
+    families_args=("${ladder_args[@]}")
     train_args=("${debug[@]}" --training.seq_len 64 --training.local_batch_size 2
         --training.mixed_precision_param float32 --checkpoint.enable --checkpoint.interval 2
         --checkpoint.async_mode async --metrics.log_freq 2)
@@ -91,13 +99,13 @@ ok=$([[ $rc == 0 ]] && echo PASS || echo FAIL)
 [[ $mode == gpu && $summary != *passed* ]] && ok=FAIL # on a GPU, all skipped is a failure
 record "pytest -m gpu" "$ok" "$secs" "${summary# }"
 
-# 3. throughput ladder
-timed "$out/ladder.jsonl" "$python" benchmarks/throughput.py --ladder --only "$ladder_only" \
-    --threads 0 "${ladder_args[@]}"
-ladder_rc=$rc ladder_secs=$secs
-while IFS='|' read -r label status detail; do
-    record "ladder $label" "$status" "$ladder_secs" "$detail"
-done < <(jq_py '
+# 3. throughput ladders: the 1B shape, then the MoE families' debug flavors
+ladder() { # log_file only_labels throughput.py arguments...
+    timed "$1" "$python" benchmarks/throughput.py --ladder --only "$2" --threads 0 "${@:3}"
+    local ladder_rc=$rc ladder_secs=$secs label status detail
+    while IFS='|' read -r label status detail; do
+        record "ladder $label" "$status" "$ladder_secs" "$detail"
+    done < <(jq_py '
 for line in open(sys.argv[1]):
     if not line.startswith("{"):
         continue
@@ -110,10 +118,23 @@ for line in open(sys.argv[1]):
     tps, mem, sheet = r["tokens_per_s_per_device"], r["peak_memory_gib"], r["mfu_datasheet_pct"]
     mfu = f", MFU {sheet}% of datasheet" if sheet is not None else ""
     print(f"{label}|PASS|{tps:,.0f} tok/s{mfu}, MFU {r['"'"'mfu_measured_pct'"'"']}% of measured peak, peak mem {mem} GiB")
-' "$out/ladder.jsonl")
-n_ladder=$(grep -c '^{' "$out/ladder.jsonl")
-[[ $n_ladder -ge 1 ]] || record ladder FAIL "$ladder_secs" "no JSON line (see ladder.jsonl)"
-[[ $ladder_rc == 0 ]] || record "ladder (exit code)" FAIL "$ladder_secs" "exit $ladder_rc"
+' "$1")
+    [[ $(grep -c '^{' "$1") -ge 1 ]] || record ladder FAIL "$ladder_secs" "no JSON line (see $1)"
+    [[ $ladder_rc == 0 ]] || record "ladder (exit code)" FAIL "$ladder_secs" "exit $ladder_rc"
+}
+ladder "$out/ladder.jsonl" "$ladder_only" "${ladder_args[@]}"
+ladder "$out/families.jsonl" "$families_only" "${families_args[@]}"
+
+# 3b. the routed experts' grouped GEMM against the per-expert loop (docs/moe.md)
+timed "$out/grouped_gemm.log" "$python" benchmarks/moe_grouped_gemm.py
+detail="$(jq_py '
+r = json.loads([l for l in open(sys.argv[1]) if l.startswith("{")][-1])
+g, lp = r.get("grouped"), r["loop"]
+ok = g is not None and r["max_abs_diff_out"] <= 1e-2 and r["rel_diff_w1_grad"] <= 1e-2
+print(("PASS" if ok else "FAIL") + "|" + (f"grouped {g['"'"'ms'"'"']} ms ({g['"'"'tflops'"'"']} TFLOP/s) vs loop {lp['"'"'ms'"'"']} ms, x{r['"'"'speedup'"'"']}, {r['"'"'dtype'"'"']}" if g else "grouped_mm unsupported here"))
+' "$out/grouped_gemm.log" 2>/dev/null)"
+[[ $rc == 0 && -n $detail ]] || detail="FAIL|exit $rc (see grouped_gemm.log)"
+record "grouped GEMM vs loop" "${detail%%|*}" "$secs" "${detail#*|}"
 
 # 4. end to end: train with async checkpoints, resume, generate
 dump="$out/e2e"

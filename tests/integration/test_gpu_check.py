@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh --cpu: the GPU self-check's whole sequence, small, on CPU.
 
-Environment, the gpu-marked tests (skipped here), one ladder rung, 8 training steps with three
+Environment, the gpu-marked tests (skipped here), one ladder rung, the three MoE families' debug
+flavors, the experts' grouped GEMM against their loop, 8 training steps with three
 background checkpoints, a resume to step 10 and generation from the checkpoint; the summary
 table lists each with PASS and the script exits 0.
 """
@@ -39,7 +40,9 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
         for line in summary.splitlines()
         if line[30:37].strip() in ("PASS", "FAIL")
     }
-    expected = ["environment", "pytest -m gpu", "ladder eager", "train 8 steps", "resume to 10"]
+    ladders = ["ladder eager", "ladder qwen3_moe", "ladder deepseek_v3", "ladder gpt_oss"]
+    expected = ["environment", "pytest -m gpu", *ladders, "grouped GEMM vs loop"]
+    expected += ["train 8 steps", "resume to 10"]
     assert list(rows) == [*expected, "generate"], list(rows)
     assert all(cols[0] == "PASS" for cols in rows.values()), rows
     assert "3 background saves committed" in summary

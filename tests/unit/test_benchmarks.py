@@ -227,3 +227,16 @@ def test_hf_io_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert run["ranks"] == 2 and run["max_read_over_share"] == 1.0, run
     assert all(w > 0 for w in run["per_rank_written_GB"]), run
     assert list(tmp_path.iterdir()) == []
+
+
+def test_moe_grouped_gemm_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/moe_grouped_gemm.py: both paths timed where grouped_mm runs, equal results."""
+    from tests.script_loader import load
+
+    bench = load("benchmarks/moe_grouped_gemm.py", "moe_grouped_gemm_bench")
+    r = bench.main(["--device", "cpu", "--warmup", "1", "--steps", "2", "--rows", "96"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == r
+    assert r["loop"]["ms"] > 0 and r["shape"]["rows"] == 96
+    if r["grouped_mm_supported"]:
+        assert r["grouped"]["ms"] > 0 and r["speedup"] > 0
+        assert r["max_abs_diff_out"] <= 1e-6 and r["rel_diff_w1_grad"] <= 1e-6
