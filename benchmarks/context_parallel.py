@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from torchtitan.config.manager import split_overrides
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -136,7 +138,7 @@ def worker(seq_len: int, warmup: int, steps: int, overrides: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    overrides = argv[argv.index("--") + 1 :] if "--" in argv else []
+    own, overrides = split_overrides(argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seq_lens", default="2048,4096,8192")
     ap.add_argument("--cps", default="1,2,4")
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="measured steps (the first counts memory)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seq_len", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    args = ap.parse_args(own)
     if args.worker:
         worker(args.seq_len, args.warmup, args.steps, overrides)
         return 0

@@ -42,14 +42,14 @@ import sys
 import time
 from pathlib import Path
 
+from torchtitan.config.manager import split_overrides
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own, overrides = (
-        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    )
+    own, overrides = split_overrides(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps of each loop first")
     p.add_argument("--steps", type=int, default=5, help="steps per timed round")

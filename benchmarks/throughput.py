@@ -50,6 +50,8 @@ import sys
 import time
 from pathlib import Path
 
+from torchtitan.config.manager import split_overrides
+
 ROOT = Path(__file__).resolve().parents[1]
 
 _COMPILE = ["--compile.enable"]
@@ -282,9 +284,7 @@ def run_ladder(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    own, overrides = (
-        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    )
+    own, overrides = split_overrides(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")

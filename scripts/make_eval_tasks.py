@@ -25,19 +25,32 @@ from pathlib import Path
 
 from make_test_dataset import LEGS, PETS, cap, words
 
-MC_YAML = """\
-# Written by scripts/make_eval_tasks.py; docs/evaluation.md.
-task: torchtitan_facts_mc
+_DATA = """\
 dataset_path: json
 dataset_name: null
 dataset_kwargs:
   data_files:
     train: facts_train.jsonl
     test: facts_test.jsonl
-output_type: multiple_choice
-training_split: train
-test_split: test
-doc_to_text: "{{question}}"
+"""
+
+
+def task_yaml(task: str, output_type: str, fields: str) -> str:
+    """One task's YAML: its name, the shared data files and splits, then its own ``fields``."""
+    head = f"# Written by scripts/make_eval_tasks.py; docs/evaluation.md.\ntask: {task}\n"
+    splits = f"output_type: {output_type}\ntraining_split: train\ntest_split: test\n"
+    return head + _DATA + splits + 'doc_to_text: "{{question}}"\n' + fields + _VERSION
+
+
+_VERSION = """\
+metadata:
+  version: 1.0
+"""
+
+MC_YAML = task_yaml(
+    "torchtitan_facts_mc",
+    "multiple_choice",
+    """\
 doc_to_choice: "{{choices}}"
 doc_to_target: "{{label}}"
 metric_list:
@@ -47,23 +60,13 @@ metric_list:
   - metric: acc_norm
     aggregation: mean
     higher_is_better: true
-metadata:
-  version: 1.0
-"""
+""",
+)
 
-GEN_YAML = """\
-# Written by scripts/make_eval_tasks.py; docs/evaluation.md.
-task: torchtitan_facts_gen
-dataset_path: json
-dataset_name: null
-dataset_kwargs:
-  data_files:
-    train: facts_train.jsonl
-    test: facts_test.jsonl
-output_type: generate_until
-training_split: train
-test_split: test
-doc_to_text: "{{question}}"
+GEN_YAML = task_yaml(
+    "torchtitan_facts_gen",
+    "generate_until",
+    """\
 doc_to_target: "{{answer}}"
 generation_kwargs:
   until: [".", "\\n"]
@@ -75,9 +78,8 @@ metric_list:
     higher_is_better: true
     ignore_case: true
     regexes_to_ignore: ["^\\\\s+"]
-metadata:
-  version: 1.0
-"""
+""",
+)
 
 
 def questions() -> list[tuple[str, str, list[str]]]:

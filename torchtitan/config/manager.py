@@ -442,6 +442,15 @@ def iter_fields(
             yield path, tp, getattr(obj, f.name), field_docs(cls).get(f.name, "")
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A wrapper script's own arguments and the trainer's overrides after ``--`` (the
+    benchmarks' ``script.py [own args] -- [--section.field value ...]``)."""
+    if "--" not in argv:
+        return list(argv), []
+    cut = argv.index("--")
+    return list(argv[:cut]), list(argv[cut + 1 :])
+
+
 def asked_for_help(argv: list[str]) -> bool:
     """Prints :func:`help_text` and says True when ``argv`` holds ``-h`` or ``--help`` (the
     command-line entry points' first check)."""
