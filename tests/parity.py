@@ -31,6 +31,10 @@ TINY = [
     "90",
 ]
 
+PP2_1F1B = ["--parallelism.pipeline_parallel_degree", "2"]
+PP2_1F1B += ["--parallelism.pipeline_parallel_schedule", "1F1B"]
+"""Two pipeline stages, the 1F1B schedule (the families' PP parity runs, run_train.sh's PP test)."""
+
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
