@@ -31,6 +31,10 @@ TINY = [
     "90",
 ]
 
+SMALL_FP32 = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
+SMALL_FP32 += ["--training.mixed_precision_param", "float32", "--metrics.log_freq", "1"]
+"""Rows of 64 tokens, 2 per rank, fp32, every step logged (the small end-to-end runs)."""
+
 PP2_1F1B = ["--parallelism.pipeline_parallel_degree", "2"]
 PP2_1F1B += ["--parallelism.pipeline_parallel_schedule", "1F1B"]
 """Two pipeline stages, the 1F1B schedule (the families' PP parity runs, run_train.sh's PP test)."""
