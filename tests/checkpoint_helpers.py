@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from tests.launcher import start_ranks
-from tests.parity import DEBUG_TOML, TINY, read_jsonl
+from tests.launcher import run_ranks, start_ranks
+from tests.parity import DEBUG_TOML, TINY, losses, read_jsonl
 
 STEPS = 6
 INTERVAL = 3
@@ -136,3 +136,19 @@ def assert_checkpoints_identical(a: Path, b: Path, skip_prefixes: tuple[str, ...
             diffs.append(f"{k}: {str(x)[:80]} != {str(y)[:80]}")
     assert not diffs, f"{a} and {b} differ in {len(diffs)} entries:\n" + "\n".join(diffs[:10])
     return len(keys)
+
+
+def assert_bitwise_resume(tmp_path: Path, world: int, *extra: str) -> int:
+    """6 steps == 3 + resume from step 3 + 3, bit for bit (losses, grad norms, checkpoint entries)."""
+    argv = ckpt_argv(*extra)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    ref = run_ranks(train_with_faults, world, argv, str(straight), timeout=600)[0]
+    shutil.copytree(straight / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
+    got = run_ranks(train_with_faults, world, argv, str(resumed), timeout=600)[0]
+    assert ref is not None and got is not None, "rank 0 wrote no metrics"
+    assert [m["step"] for m in got] == [4, 5, 6]
+    assert losses(got) == losses(ref)[3:], (losses(got), losses(ref)[3:])
+    assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in ref[3:]]
+    return assert_checkpoints_identical(
+        straight / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6"
+    )

@@ -16,15 +16,30 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def run_train_sh(dump: Path, *args: str, log_rank: str = "0") -> str:
+    """``run_train.sh --job.dump_folder dump *args`` on 2 CPU ranks (cwd ``dump``); must exit 0."""
+    env = dict(os.environ, NGPU="2", LOG_RANK=log_rank, TORCHTITAN_PYTHON=sys.executable)
+    cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), *args]
+    proc = subprocess.run(cmd, cwd=dump, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
 
 
 def mp_context() -> Any:

@@ -31,6 +31,18 @@ TINY = [
     "90",
 ]
 
+SMALL_FP32 = ["--training.seq_len", "64", "--training.local_batch_size", "2"]
+SMALL_FP32 += ["--training.mixed_precision_param", "float32", "--metrics.log_freq", "1"]
+"""Rows of 64 tokens, 2 per rank, fp32, every step logged (the small end-to-end runs)."""
+
+PP2_1F1B = ["--parallelism.pipeline_parallel_degree", "2"]
+PP2_1F1B += ["--parallelism.pipeline_parallel_schedule", "1F1B"]
+"""Two pipeline stages, the 1F1B schedule (the families' PP parity runs, run_train.sh's PP test)."""
+
+FSDP2_TP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+FSDP2_TP2 += ["--parallelism.tensor_parallel_degree", "2"]
+"""FSDP 2 x TP 2 (the seed's 3D layout without its PP; the two-node run's layout)."""
+
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -74,3 +86,30 @@ def assert_losses_match(
     print(msg)
     assert worst <= rtol, msg
     return worst
+
+
+def assert_losses_close_but_changed(
+    ref: list[float],
+    got: list[float],
+    rtol: float,
+    label: str,
+    above: float = 0.0,
+    why: str = "compiled losses equal eager bitwise: was anything compiled?",
+) -> float:
+    """assert_losses_match, and the worst difference exceeds ``above`` (else the feature did nothing)."""
+    worst = assert_losses_match(ref, got, rtol=rtol, label=label)
+    assert worst > above, why
+    return worst
+
+
+def assert_validation_match(ref: list[dict], got: list[dict], label: str) -> list[list[dict]]:
+    """Two runs' validation rows: the same token counts, losses within 1e-5; returns the rows."""
+    rows = [[r for r in m if "validation/loss" in r] for m in (ref, got)]
+    assert [r["validation/tokens"] for r in rows[1]] == [r["validation/tokens"] for r in rows[0]]
+    assert_losses_match(
+        [r["validation/loss"] for r in rows[0]],
+        [r["validation/loss"] for r in rows[1]],
+        rtol=1e-5,
+        label=label,
+    )
+    return rows

@@ -14,6 +14,9 @@ from torchtitan.models.gpt_oss import GptOssArgs
 from torchtitan.models.llama3 import ModelArgs
 from torchtitan.models.qwen3 import Qwen3Args
 
+THREE_BLOCKS: dict[str, Any] = dict(dim=64, n_layers=3, n_heads=4, vocab_size=256, max_seq_len=64)
+"""The shape tiny_gpt_oss and tiny_deepseek_v3 share: three blocks of width 64, 4 heads."""
+
 
 def tiny_qwen3(
     dim: int = 64, heads: tuple[int, int] = (4, 2), ffn: int = 96, vocab: int = 256, **extra: Any
@@ -49,13 +52,9 @@ def tiny_gpt_oss(window: int = 8, **extra: Any) -> GptOssArgs:
     16 channels, 4 experts of width 32 (top-2) clamping at 0.5, YaRN (factor 4 over 16 original
     positions) and a 64-position table unless ``extra`` says otherwise."""
     shape: dict[str, Any] = dict(
-        dim=64,
-        n_layers=3,
-        n_heads=4,
+        THREE_BLOCKS,
         n_kv_heads=2,
         head_dim=16,
-        vocab_size=256,
-        max_seq_len=64,
         moe=MoEArgs(num_experts=4, top_k=2, expert_dim=32),
         yarn=YarnScaling(4.0, 16, truncate=False),
         swiglu_limit=0.5,  # tiny activations: a clamp that cuts (7.0 published)
@@ -70,11 +69,7 @@ def tiny_deepseek_v3(**extra: Any) -> DeepSeekV3Args:
     16), YaRN RoPE over a 64-position table, no MTP unless ``extra`` says otherwise."""
     moe = group_routed_experts((8, 2, 32), (2, 1), route_scale=2.5, aux_loss_coef=0.0)
     shape: dict[str, Any] = dict(
-        dim=64,
-        n_layers=3,
-        n_heads=4,
-        vocab_size=256,
-        max_seq_len=64,
+        THREE_BLOCKS,
         q_lora_rank=32,
         kv_lora_rank=32,
         qk_nope_head_dim=16,

@@ -20,15 +20,12 @@ import pytest
 # Import the trainer in the parent so forked ranks start without re-importing it (seconds each).
 import torchtitan.train  # noqa: F401
 import torchtitan.trainer  # noqa: F401
+from tests.parity import PP2_1F1B as PP2_1F1B  # the family parity modules import it from here
 from tests.parity import assert_losses_match, losses, train_metrics
 
 STEPS = 20
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 5e-4
-
-PP2_1F1B = ["--parallelism.pipeline_parallel_degree", "2"]
-PP2_1F1B += ["--parallelism.pipeline_parallel_schedule", "1F1B"]
-"""Two pipeline stages, the 1F1B schedule (the families' PP parity runs)."""
 
 _REFERENCE: dict[int, list[dict]] = {}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.parity_cases import check_parity, reference_metrics
-from tests.parity import assert_losses_match, train_metrics
+from tests.parity import assert_validation_match, train_metrics
 from tests.torch_window import needs_pp_dtensor
 
 STEPS = 10
@@ -65,15 +65,8 @@ def test_cp2_validation_loss_matches_single_process(tmp_path: Path) -> None:
     val = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]
     ref = train_metrics([LB, "8", *val], 1, tmp_path / "ref", steps=4)
     got = train_metrics([CP, "2", LB, "8", *val], 2, tmp_path / "cp", steps=4)
-    rows = [[r for r in m if "validation/loss" in r] for m in (ref, got)]
+    rows = assert_validation_match(ref, got, "CP 2 validation loss")
     assert [r["step"] for r in rows[0]] == [r["step"] for r in rows[1]] == [2, 4]
-    assert [r["validation/tokens"] for r in rows[1]] == [r["validation/tokens"] for r in rows[0]]
-    assert_losses_match(
-        [r["validation/loss"] for r in rows[0]],
-        [r["validation/loss"] for r in rows[1]],
-        rtol=1e-5,
-        label="CP 2 validation loss",
-    )
 
 
 @pytest.mark.slow

@@ -11,15 +11,13 @@ parallel its shifted tokens are made before the sequence is sharded (docs/deepse
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
-from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
+from tests.checkpoint_helpers import assert_bitwise_resume
 from tests.distributed.parity_cases import PP2_1F1B, FamilyParity
-from tests.launcher import run_ranks
 from tests.parity import assert_losses_match, losses, train_metrics
 
 STEPS = 10
@@ -98,16 +96,5 @@ def test_parallelism(label: str, tmp_path_factory: pytest.TempPathFactory, tmp_p
 def test_fsdp2_bitwise_resume(tmp_path: Path) -> None:
     """6 straight steps == 3 steps + resume + 3 steps, bit for bit (losses, grad norms, every
     entry of the step-6 checkpoint: MTP weights and routing biases included)."""
-    argv = ckpt_argv(*FLAVOR, "--training.local_batch_size", "4")
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    ref = run_ranks(train_with_faults, 2, argv, str(straight), timeout=600)[0]
-    shutil.copytree(straight / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
-    got = run_ranks(train_with_faults, 2, argv, str(resumed), timeout=600)[0]
-    assert ref is not None and got is not None
-    assert [m["step"] for m in got] == [4, 5, 6]
-    assert losses(got) == losses(ref)[3:], (losses(got), losses(ref)[3:])
-    assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in ref[3:]]
-    n = assert_checkpoints_identical(
-        straight / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6"
-    )
+    n = assert_bitwise_resume(tmp_path, 2, *FLAVOR, "--training.local_batch_size", "4")
     print(f"FSDP 2: 3 steps + resume + 3 steps == 6 steps; {n} entries identical")

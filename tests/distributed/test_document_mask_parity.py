@@ -10,15 +10,13 @@ them head-tail like the tokens and all-gathers them with K/V (docs/attention.md)
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
+from tests.checkpoint_helpers import assert_bitwise_resume
 from tests.distributed.parity_cases import check_parity, reference_metrics
-from tests.launcher import run_ranks
-from tests.parity import assert_losses_match, losses, train_metrics
+from tests.parity import assert_losses_match, assert_validation_match, losses, train_metrics
 
 STEPS = 10
 BLOCK = ["--model.attn_mask_type", "block_causal"]
@@ -97,24 +95,7 @@ def test_document_positions_cp2_matches_single_process(
 def test_block_causal_bitwise_resume(tmp_path: Path) -> None:
     """One process, block_causal: 6 straight steps == 3 steps + resume + 3 steps, bit for bit
     (the data position includes nothing new: document ids are recomputed from the window)."""
-
-    def run(dump: Path) -> list[dict]:
-        argv = ckpt_argv(*BLOCK, LB, "8")
-        result = run_ranks(train_with_faults, 1, argv, str(dump), None, 0, timeout=600)
-        return result[0]
-
-    straight = run(tmp_path / "straight")
-    resumed_dump = tmp_path / "resumed"
-    (resumed_dump / "checkpoint").mkdir(parents=True)
-    src = tmp_path / "straight" / "checkpoint" / "step-3"
-    shutil.copytree(src, resumed_dump / "checkpoint" / "step-3")
-    resumed = run(resumed_dump)
-    assert [m["step"] for m in resumed] == [4, 5, 6]
-    assert losses(resumed) == losses(straight)[3:]
-    assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in straight[3:]]
-    assert_checkpoints_identical(
-        tmp_path / "straight" / "checkpoint" / "step-6", resumed_dump / "checkpoint" / "step-6"
-    )
+    assert_bitwise_resume(tmp_path, 1, *BLOCK, LB, "8")
 
 
 def test_block_causal_validation_loss_cp2_matches_single_process(tmp_path: Path) -> None:
@@ -122,14 +103,7 @@ def test_block_causal_validation_loss_cp2_matches_single_process(tmp_path: Path)
     val = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]
     ref = train_metrics([*BLOCK, LB, "8", *val], 1, tmp_path / "ref", steps=2)
     got = train_metrics([*BLOCK, CP, "2", LB, "8", *val], 2, tmp_path / "cp", steps=2)
-    rows = [[r for r in m if "validation/loss" in r] for m in (ref, got)]
-    assert [r["validation/tokens"] for r in rows[1]] == [r["validation/tokens"] for r in rows[0]]
-    assert_losses_match(
-        [r["validation/loss"] for r in rows[0]],
-        [r["validation/loss"] for r in rows[1]],
-        rtol=1e-5,
-        label="block_causal CP 2 validation loss",
-    )
+    assert_validation_match(ref, got, "block_causal CP 2 validation loss")
 
 
 def test_block_causal_with_float8_stays_close_to_fp32(

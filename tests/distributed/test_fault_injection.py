@@ -30,6 +30,12 @@ pytestmark = pytest.mark.slow
 FSDP2 = ["--training.local_batch_size", "4"]
 
 
+def _fsdp2_argv(steps: int, **fault_tolerance: object) -> list[str]:
+    """TINY, FSDP 2, ``steps`` steps and ``--fault_tolerance.KEY VALUE`` for each keyword."""
+    ft = [a for k, v in fault_tolerance.items() for a in (f"--fault_tolerance.{k}", str(v))]
+    return [*TINY, *FSDP2, "--training.steps", str(steps), *ft]
+
+
 def _train(argv: list[str], dump: str, fault: str, lr: float | None = None) -> dict[str, Any]:
     """Train with ``TORCHTITAN_FAULT=fault``; returns what the trainer saw. ``lr`` is set after
     the preflight, which refuses a learning rate above 1: the runtime guards must also hold for a
@@ -102,12 +108,7 @@ def test_spike_rollback_reloads_and_trains_on(tmp_path: Path) -> None:
 
 
 def test_straggler_flagged_within_three_log_steps(tmp_path: Path) -> None:
-    argv = [
-        *TINY, *FSDP2,
-        "--training.steps", "4",
-        "--fault_tolerance.straggler_margin", "0.5",
-        "--fault_tolerance.straggler_log_steps", "3",
-    ]  # fmt: skip
+    argv = _fsdp2_argv(4, straggler_margin=0.5, straggler_log_steps=3)
     results = run_ranks(_train, 2, argv, str(tmp_path), "slow:rank=1,seconds=0.3")
     flagged = results[0]["stragglers"]
     assert flagged and flagged[0] == (3, "data_time_s", 1), flagged
@@ -119,12 +120,7 @@ def _hang_worker(argv: list[str], dump: str) -> None:
 
 
 def test_hung_rank_makes_every_rank_dump_its_stacks(tmp_path: Path) -> None:
-    argv = [
-        *TINY, *FSDP2,
-        "--training.steps", "5",
-        "--fault_tolerance.watchdog_timeout_seconds", "3",
-        "--comm.train_timeout_seconds", "60",
-    ]  # fmt: skip
+    argv = [*_fsdp2_argv(5, watchdog_timeout_seconds=3), "--comm.train_timeout_seconds", "60"]
     ctx, port = mp_context(), free_port()
     queue = ctx.Queue()
     procs = [

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import torchtitan.train  # noqa: F401  (imported before the ranks fork, so they start fast)
-from tests.parity import assert_losses_match, losses, read_jsonl, train_metrics
+from tests.parity import FSDP2_TP2, assert_losses_match, losses, read_jsonl, train_metrics
 from tests.torch_window import needs_pp_dtensor, needs_v_schedules, schedule_params
 
 STEPS = 10
@@ -123,16 +123,8 @@ def test_pp2_tp2(reference: list[dict], tmp_path: Path) -> None:
 @needs_pp_dtensor
 def test_pp2_fsdp2_tp2_seed_3d(reference: list[dict], tmp_path: Path) -> None:
     # The seed's 3D command line scaled to 8 CPU ranks.
-    overrides = [
-        "--parallelism.data_parallel_shard_degree",
-        "2",
-        "--parallelism.tensor_parallel_degree",
-        "2",
-        *pp(2, "interleave_1f1b"),
-        "--training.local_batch_size",
-        "4",
-        "--metrics.save_for_all_ranks",
-    ]
+    extra = ["--training.local_batch_size", "4", "--metrics.save_for_all_ranks"]
+    overrides = [*FSDP2_TP2, *pp(2, "interleave_1f1b", *extra)]
     got = run_and_compare(reference, overrides, 8, tmp_path, "PP 2 x FSDP 2 x TP 2")
     assert_every_rank_logged_the_loss(tmp_path, 8, got)
 

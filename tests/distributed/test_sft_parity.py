@@ -4,16 +4,21 @@ microbatches hold very different numbers of trained tokens (docs/sft.md)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.checkpoint_helpers import assert_checkpoints_identical, ckpt_argv, train_with_faults
+from tests.checkpoint_helpers import assert_bitwise_resume
 from tests.distributed.parity_cases import assert_grad_norms_match
-from tests.launcher import run_ranks
-from tests.parity import ROOT, assert_losses_match, losses, train_metrics
+from tests.parity import (
+    PP2_1F1B,
+    ROOT,
+    assert_losses_match,
+    assert_validation_match,
+    losses,
+    train_metrics,
+)
 from torchtitan.data.chat_data import ChatDataset
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.loss.cross_entropy import IGNORE_INDEX
@@ -73,16 +78,8 @@ def test_sft_grad_accumulation_4_matches(reference: list[dict], tmp_path: Path) 
 
 @pytest.mark.slow
 def test_sft_pp2_microbatches_match(reference: list[dict], tmp_path: Path) -> None:
-    overrides = [
-        "--training.local_batch_size",
-        "8",
-        "--parallelism.pipeline_parallel_degree",
-        "2",
-        "--parallelism.pipeline_parallel_schedule",
-        "1F1B",
-        "--parallelism.pipeline_parallel_microbatches",
-        "4",
-    ]
+    microbatches = ["--parallelism.pipeline_parallel_microbatches", "4"]
+    overrides = ["--training.local_batch_size", "8", *PP2_1F1B, *microbatches]
     _compare(reference, overrides, 2, tmp_path, "SFT PP 2 (4 microbatches)")
 
 
@@ -101,17 +98,7 @@ def test_sft_resume_is_bitwise(tmp_path: Path) -> None:
     """FSDP 2, packed conversations under block_causal: 6 steps straight equal 3 steps, a
     restart from the step-3 checkpoint and 3 more steps (losses, grad norms, checkpoint)."""
     packed = [*CHAT, "--sft.packing", "pack", "--model.attn_mask_type", "block_causal"]
-    argv = ckpt_argv(*packed, "--training.local_batch_size", "4")
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    ref = run_ranks(train_with_faults, 2, argv, str(straight), timeout=600)[0]
-    shutil.copytree(straight / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
-    got = run_ranks(train_with_faults, 2, argv, str(resumed), timeout=600)[0]
-    assert [m["step"] for m in got] == [4, 5, 6]
-    assert losses(got) == losses(ref)[3:], (losses(got), losses(ref))
-    assert [m["grad_norm"] for m in got] == [m["grad_norm"] for m in ref[3:]]
-    n = assert_checkpoints_identical(
-        straight / "checkpoint" / "step-6", resumed / "checkpoint" / "step-6"
-    )
+    n = assert_bitwise_resume(tmp_path, 2, *packed, "--training.local_batch_size", "4")
     print(f"SFT FSDP 2: resume from step 3 == straight; {n} checkpoint entries identical")
 
 
@@ -124,7 +111,7 @@ def test_sft_validation_loss_pp2_matches_single_process(tmp_path: Path) -> None:
     ref = train_metrics(base, 1, tmp_path / "ref", steps=2)
     pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--metrics.save_for_all_ranks"]
     got = train_metrics([*base, *pp2], 2, tmp_path / "pp", steps=2)
-    rows = [[r for r in m if "validation/loss" in r] for m in (ref, got)]
+    rows = assert_validation_match(ref, got, "SFT PP 2 validation loss")
     trained = sum(
         int((lab != IGNORE_INDEX).sum())
         for _, lab in ChatDataset(
@@ -132,11 +119,4 @@ def test_sft_validation_loss_pp2_matches_single_process(tmp_path: Path) -> None:
         )
     )
     # 40 conversations, 5 full batches of 8: every trained token of the split is counted
-    assert [r["validation/tokens"] for r in rows[0]] == [r["validation/tokens"] for r in rows[1]]
     assert rows[0][0]["validation/tokens"] == trained
-    assert_losses_match(
-        [r["validation/loss"] for r in rows[0]],
-        [r["validation/loss"] for r in rows[1]],
-        rtol=1e-5,
-        label="SFT PP 2 validation loss",
-    )

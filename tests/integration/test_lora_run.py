@@ -15,7 +15,7 @@ import torch
 
 import torchtitan.train  # noqa: F401  (imported before the ranks fork)
 from tests.launcher import run_ranks
-from tests.parity import ROOT, read_jsonl
+from tests.parity import ROOT, SMALL_FP32, read_jsonl
 from tests.script_loader import load
 from torchtitan.checkpoint.storage import read_model_weights
 from torchtitan.checkpoint.trust import decode_state
@@ -30,19 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 TOML = ["--job.config_file", str(ROOT / "train_configs" / "lora_debug.toml")]
 # Short rows of one conversation pair, fp32, every step logged, a one-step warm-up.
-SHORT = [
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--training.mixed_precision_param",
-    "float32",
-    "--validation.no-enable",
-    "--metrics.log_freq",
-    "1",
-    "--lr_scheduler.warmup_steps",
-    "1",
-]
+SHORT = [*SMALL_FP32, "--validation.no-enable", "--lr_scheduler.warmup_steps", "1"]
 
 
 def _train(argv: list[str]) -> int:

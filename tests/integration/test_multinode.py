@@ -18,18 +18,19 @@ from pathlib import Path
 import pytest
 
 from tests.launcher import free_port
-from tests.parity import DEBUG_TOML, TINY, assert_losses_match, losses, read_jsonl, train_metrics
+from tests.parity import (
+    DEBUG_TOML,
+    FSDP2_TP2,
+    TINY,
+    assert_losses_match,
+    losses,
+    read_jsonl,
+    train_metrics,
+)
 
 STEPS = 5
 # TP 2 inside a node, FSDP 2 across the nodes; 4 sequences per data-parallel rank (global 8).
-LAYOUT = [
-    "--parallelism.data_parallel_shard_degree",
-    "2",
-    "--parallelism.tensor_parallel_degree",
-    "2",
-    "--training.local_batch_size",
-    "4",
-]
+LAYOUT = [*FSDP2_TP2, "--training.local_batch_size", "4"]
 
 
 def _node(port: int, dump: Path, log: Path) -> subprocess.Popen:

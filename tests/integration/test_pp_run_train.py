@@ -8,39 +8,21 @@ given as ``0,last``: a comma list with the word ``last``, which must resolve to 
 from __future__ import annotations
 
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.launcher import run_train_sh
+from tests.parity import PP2_1F1B
+
 LINE = re.compile(
     r"\[rank (\d+) pp=(\d+) stages=([\d,]+)(\(last\))?\] step\s+(\d+)\s+loss\s+(\S+) \(avg\s+(\S+)\)"
 )
 
 
 def test_pp_run_train_every_rank_logs_the_real_loss(tmp_path: Path) -> None:
-    env = dict(os.environ, NGPU="2", LOG_RANK="0,last", TORCHTITAN_PYTHON=sys.executable)
-    cmd = [
-        str(ROOT / "run_train.sh"),
-        "--job.dump_folder",
-        str(tmp_path),
-        "--training.steps",
-        "6",
-        "--training.seq_len",
-        "64",
-        "--metrics.log_freq",
-        "2",
-        "--metrics.no-enable_tensorboard",
-        "--parallelism.pipeline_parallel_degree",
-        "2",
-        "--parallelism.pipeline_parallel_schedule",
-        "1F1B",
-    ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    args = ["--training.steps", "6", "--training.seq_len", "64", "--metrics.log_freq", "2"]
+    args += ["--metrics.no-enable_tensorboard", *PP2_1F1B]
+    out = run_train_sh(tmp_path, *args, log_rank="0,last")
 
     by_rank: dict[int, dict[int, tuple[str, str]]] = {0: {}, 1: {}}
     for m in LINE.finditer(out):

@@ -3,34 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.launcher import run_train_sh
+
 LINE = re.compile(
     r"step\s+(\d+)\s+loss\s+([0-9.]+) \(avg\s+([0-9.]+)\).*tok/s\s+([0-9,]+)\s+mfu\s+([0-9.]+)%"
 )
 
 
 def test_run_train_debug_model_learns(tmp_path: Path) -> None:
-    env = dict(os.environ, NGPU="2", LOG_RANK="0", TORCHTITAN_PYTHON=sys.executable)
-    cmd = [
-        str(ROOT / "run_train.sh"),
-        "--job.dump_folder",
-        str(tmp_path),
-        "--training.steps",
-        "30",
-        "--training.seq_len",
-        "128",
-        "--metrics.log_freq",
-        "5",
-    ]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = run_train_sh(
+        tmp_path, "--training.steps", "30", "--training.seq_len", "128", "--metrics.log_freq", "5"
+    )
 
     steps = [(int(m[1]), float(m[2])) for m in LINE.finditer(out)]
     assert [s for s, _ in steps] == [1, 5, 10, 15, 20, 25, 30], out[-4000:]

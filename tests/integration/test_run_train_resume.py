@@ -16,24 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.parity import SMALL_FP32
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20
-ARGS = [
-    "--training.steps",
-    str(STEPS),
-    "--training.seq_len",
-    "64",
-    "--training.local_batch_size",
-    "2",
-    "--training.mixed_precision_param",
-    "float32",
-    "--metrics.log_freq",
-    "1",
-    "--metrics.no-enable_tensorboard",
-    "--checkpoint.enable",
-    "--checkpoint.interval",
-    "10",
-]
+ARGS = ["--training.steps", str(STEPS), *SMALL_FP32, "--metrics.no-enable_tensorboard"]
+ARGS += ["--checkpoint.enable", "--checkpoint.interval", "10"]
 
 
 def _env() -> dict[str, str]:

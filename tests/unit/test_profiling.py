@@ -20,9 +20,20 @@ ROOT = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(ROOT / "train_configs" / "debug_model.toml")
 
 
-def _profiling(tmp_path: Path, rank: int, device_type: str, **fields: object) -> Profiling:
-    """``Profiling`` over ``tmp_path`` with the ``[profiling]`` defaults but ``fields``."""
-    settings = dataclasses.replace(ProfilingConfig(), **fields)  # type: ignore[arg-type]
+def _profiling(
+    tmp_path: Path, rank: int, device_type: str, schedule: tuple[int, int, int], **fields: object
+) -> Profiling:
+    """``Profiling`` over ``tmp_path``, ``schedule`` = (profile_freq, profiler_warmup, profiler_active)."""
+    freq, warmup, active = schedule
+    settings = dataclasses.replace(
+        ProfilingConfig(),
+        profile_freq=freq,
+        profiler_warmup=warmup,
+        profiler_active=active,
+        save_traces_folder="traces",
+        save_memory_snapshot_folder="snapshots",
+        **fields,  # type: ignore[arg-type]
+    )
     return Profiling(str(tmp_path), settings, rank, device_type)
 
 
@@ -32,17 +43,7 @@ def _steps_in(trace: Path) -> set[str]:
 
 
 def _run(tmp_path: Path, first: int, last: int) -> Profiling:
-    prof = _profiling(
-        tmp_path,
-        3,
-        "cpu",
-        enable_profiling=True,
-        save_traces_folder="traces",
-        profile_freq=4,
-        profiler_warmup=1,
-        profiler_active=2,
-        save_memory_snapshot_folder="snapshots",
-    )
+    prof = _profiling(tmp_path, 3, "cpu", (4, 1, 2), enable_profiling=True)
     x = torch.randn(32, 32)
     prof.start(first - 1)
     for step in range(first, last + 1):
@@ -71,16 +72,7 @@ def test_resumed_run_keeps_the_multiples(tmp_path: Path) -> None:
 
 
 def test_disabled_profiling_does_nothing(tmp_path: Path) -> None:
-    prof = _profiling(
-        tmp_path,
-        0,
-        "cpu",
-        save_traces_folder="t",
-        profile_freq=4,
-        profiler_warmup=1,
-        profiler_active=1,
-        save_memory_snapshot_folder="s",
-    )
+    prof = _profiling(tmp_path, 0, "cpu", (4, 1, 1))
     prof.start(0)
     prof.step(1)
     prof.stop()
@@ -90,17 +82,7 @@ def test_disabled_profiling_does_nothing(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_memory_snapshots(tmp_path: Path) -> None:
-    prof = _profiling(
-        tmp_path,
-        0,
-        "cuda",
-        save_traces_folder="t",
-        profile_freq=2,
-        profiler_warmup=0,
-        profiler_active=1,
-        enable_memory_snapshot=True,
-        save_memory_snapshot_folder="snapshots",
-    )
+    prof = _profiling(tmp_path, 0, "cuda", (2, 0, 1), enable_memory_snapshot=True)
     prof.start(0)
     kept = []
     for step in range(1, 5):
