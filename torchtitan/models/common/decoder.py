@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchtitan.distributed.init_weights import ParamInit, init_params_deterministic
@@ -103,19 +102,6 @@ class Attention(nn.Module):
         """Generation: the newest queries over every cached key (``kv_cache.py``); a family
         whose core is not plain causal attention overrides it."""
         return LayerKVCache.attend(q, k, v)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
-
-    def __init__(self, dim: int, hidden_dim: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.expert_parallel import scale_grad
+from torchtitan.models.common.feed_forward import FeedForward
 
 __all__ = [
     "Experts",
@@ -178,14 +179,9 @@ def _aligned(dtype: torch.dtype, x: torch.Tensor, *ws: torch.Tensor) -> bool:
     return all((t.shape[-1] * dtype.itemsize) % 16 == 0 for t in (x, *ws))
 
 
-class SharedExpert(nn.Module):
-    """The shared experts: one dense SwiGLU every token runs."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+class SharedExpert(FeedForward):
+    """The shared experts: one dense SwiGLU every token runs, on local weights (the MoE layer's
+    parallel plans leave them replicated, ``local_linear``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(local_linear(self.w1, x)) * local_linear(self.w3, x)

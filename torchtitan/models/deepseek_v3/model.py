@@ -24,7 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.distributed.context_parallel import AllGatherKVAttention
 from torchtitan.distributed.init_weights import ParamInit
 from torchtitan.models.common.attention import OptMask
-from torchtitan.models.common.decoder import BLOCK_INIT, Decoder, FeedForward, TransformerBlock
+from torchtitan.models.common.decoder import BLOCK_INIT, Decoder, TransformerBlock
+from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.kv_cache import KVCache
 from torchtitan.models.common.moe import MoE, _AttachAuxLoss
 from torchtitan.models.common.rope import (

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torchtitan.models.common.decoder import Attention, Decoder, FeedForward, TransformerBlock
+from torchtitan.models.common.decoder import Attention, Decoder, TransformerBlock
+from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.rope import precompute_freqs_cis
 from torchtitan.models.llama3.args import ModelArgs
 
