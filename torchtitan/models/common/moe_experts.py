@@ -94,7 +94,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the experts multiply in: autocast's where it is on for ``x``'s device (the
     trainer's mixed precision without FSDP, docs/memory.md), else ``x``'s. ``torch._grouped_mm``
     has no autocast rule, so the experts cast as autocast would."""
-    device = x.device.type  # "meta" (pipeline shape inference on older torch) has no autocast
+    device = x.device.type  # autocast refuses to be asked about some types (meta)
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return x.dtype
