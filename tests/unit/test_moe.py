@@ -16,6 +16,7 @@ from torchtitan.models.common.moe import (
     set_aux_loss_scale,
     update_expert_bias,
 )
+from torchtitan.models.common.moe_experts import compute_dtype
 
 DIM = 32
 
@@ -82,6 +83,8 @@ def test_experts_follow_autocast() -> None:
             assert layer.experts.w1.grad.dtype == torch.float32
             outs.append(out.detach().float())
             grads.append(layer.experts.w1.grad.clone())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a device autocast has no rule for
+        assert compute_dtype(torch.empty(2, device="meta")) == torch.float32
     for out, grad in zip(outs[1:], grads[1:]):
         assert (out - outs[0]).abs().max().item() <= 2e-2
         assert ((grad - grads[0]).norm() / grads[0].norm()).item() <= 2e-2
