@@ -12,6 +12,7 @@ initialised in this process (a ``gpu`` test ran) the ranks are spawned instead: 
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -94,8 +95,16 @@ def start_ranks(
         ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue))
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    # A forked rank must never free an object it inherited: one holding a gloo process group
+    # would join the parent's threads, whose stacks the rank's own new threads may reuse (a
+    # hang seen once in the slow tier). Collect here, and freeze what is left for the children.
+    gc.collect()
+    gc.freeze()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        gc.unfreeze()
     return procs, queue
 
 
