@@ -33,9 +33,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def run_train_env(log_rank: str = "0", drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment the tests launch ``run_train.sh`` in: 2 CPU ranks on this interpreter,
+    ``LOG_RANK`` as given, this process's variables but ``drop``."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    return dict(env, NGPU="2", LOG_RANK=log_rank, TORCHTITAN_PYTHON=sys.executable)
+
+
 def run_train_sh(dump: Path, *args: str, log_rank: str = "0") -> str:
     """``run_train.sh --job.dump_folder dump *args`` on 2 CPU ranks (cwd ``dump``); must exit 0."""
-    env = dict(os.environ, NGPU="2", LOG_RANK=log_rank, TORCHTITAN_PYTHON=sys.executable)
+    env = run_train_env(log_rank)
     cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), *args]
     proc = subprocess.run(cmd, cwd=dump, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr

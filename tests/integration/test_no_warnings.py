@@ -7,7 +7,6 @@ logger's ``WARNING``). The detector is checked on a warning the user does cause 
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.launcher import run_train_env
 
 ROOT = Path(__file__).resolve().parents[2]
 WARNING_LINE = re.compile(r"warn|^\S*\[W\d{3,}|deprecat", re.IGNORECASE)
@@ -30,8 +31,7 @@ def warning_lines(text: str, *paths: Path) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    return dict(env, NGPU="2", LOG_RANK="all", TORCHTITAN_PYTHON=sys.executable)
+    return run_train_env("all", drop=("PYTHONWARNINGS",))
 
 
 def test_default_run_prints_no_warning(tmp_path: Path) -> None:

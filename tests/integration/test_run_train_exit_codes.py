@@ -4,26 +4,24 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.launcher import run_train_env
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1"]
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, NGPU="2", LOG_RANK="0", TORCHTITAN_PYTHON=sys.executable)
-
-
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     cmd = [str(ROOT / "run_train.sh"), *args]
-    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        cmd, cwd=cwd, env=run_train_env(), capture_output=True, text=True, timeout=600
+    )
 
 
 def test_config_error_exits_2_before_torchrun(tmp_path: Path) -> None:
@@ -63,7 +61,9 @@ def test_preemption_signal_saves_and_exits_0(tmp_path: Path, sig: signal.Signals
     cmd += SMALL + ["--training.steps", "100000", "--checkpoint.enable"]
     cmd += ["--checkpoint.interval", "100000"]
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp_path, env=run_train_env(), stdout=f, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + 300
         while "step      2 " not in log.read_text() and time.monotonic() < deadline:
             assert proc.poll() is None, log.read_text()[-3000:]

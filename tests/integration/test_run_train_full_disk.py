@@ -11,14 +11,13 @@ fast tier checks the same paths in-process (tests/distributed/test_checkpoint_fu
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.launcher import run_train_env
 from torchtitan.checkpoint import storage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +26,7 @@ CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps",
 
 
 def _run(tmp: Path, fault: str | None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, NGPU="2", LOG_RANK="all", TORCHTITAN_PYTHON=sys.executable)
-    env.pop("TORCHTITAN_FAULT", None)
+    env = run_train_env("all", drop=("TORCHTITAN_FAULT",))
     if fault is not None:
         env["TORCHTITAN_FAULT"] = fault
     cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(tmp / "out"), *SMALL, *CKPT]

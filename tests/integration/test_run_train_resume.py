@@ -6,16 +6,15 @@ equal an uninterrupted run's bit for bit (docs/checkpoint.md, "Preemption")."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.launcher import run_train_env
 from tests.parity import SMALL_FP32
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,14 +23,12 @@ ARGS = ["--training.steps", str(STEPS), *SMALL_FP32, "--metrics.no-enable_tensor
 ARGS += ["--checkpoint.enable", "--checkpoint.interval", "10"]
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, NGPU="2", LOG_RANK="0", TORCHTITAN_PYTHON=sys.executable)
-
-
 def _start(dump: Path, log: Path) -> subprocess.Popen:
     cmd = [str(ROOT / "run_train.sh"), "--job.dump_folder", str(dump), *ARGS]
     with log.open("w") as f:
-        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=run_train_env(), stdout=f, stderr=subprocess.STDOUT
+        )
 
 
 def _finish(proc: subprocess.Popen, log: Path) -> str:
