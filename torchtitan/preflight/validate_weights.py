@@ -1,0 +1,247 @@
+"""Weight folders checked against a model before any process group (docs/errors.md, "Weight
+folders"): a Hugging Face folder's ``config.json`` (a family we train, readable, the run's
+shape) and tensors (every name the model reads, with its shape), a DCP folder's model tensors
+(the family and flavor it was trained as), a PEFT adapter folder (config, weights, rank).
+Used by training (``checkpoint.initial_load_path``, ``lora.adapter_path``), ``python -m
+torchtitan.eval`` and ``python -m torchtitan.convert``. The file-level checks are
+``checkpoint/input_checks.py``; here the family's args and adapter give the expected shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchtitan.checkpoint import storage as io
+from torchtitan.checkpoint.input_checks import (
+    check_dcp_folder,
+    check_hf_tensors,
+    dcp_model_shapes,
+    expected_hf_shapes,
+    read_json,
+    safetensors_shapes,
+)
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig
+from torchtitan.models import MODELS, family_for_hf_config, runtime_args
+
+__all__ = [
+    "check_dcp_model",
+    "check_hf_model",
+    "hf_family",
+    "meta_shapes",
+    "validate_eval_checkpoint",
+    "validate_initial_load",
+    "validate_peft_folder",
+]
+
+_HF_FIX = "point it at a Hugging Face model folder (config.json + *.safetensors) written by "
+_HF_FIX += "transformers' save_pretrained or python -m torchtitan.convert to-hf"
+
+
+def hf_family(folder: Path, field: str) -> tuple[str, Any]:
+    """(our family, its args) from ``folder/config.json``: a model type we train, every key
+    readable."""
+    value = str(folder)
+    config = read_json(folder / "config.json", field, value, _HF_FIX)
+    model_type = config.get("model_type", "llama")
+    known = {t: n for n, s in MODELS.items() for t in getattr(s, "hf_model_types", ())}
+    if not isinstance(model_type, str) or model_type not in known:
+        arch = config.get("architectures")
+        rule = f"{folder}/config.json has model_type {model_type!r} (architectures {arch!r}), "
+        rule += f"which no family here trains (model types: {sorted(known)})"
+        raise ConfigError(field, value, rule, "use a model of one of those families")
+    try:
+        family, args = family_for_hf_config(config)
+    except KeyError as e:
+        rule = f"{folder}/config.json lacks the key {e.args[0]!r} a {known[model_type]} model needs"
+        raise ConfigError(field, value, rule, _HF_FIX) from None
+    except Exception as e:  # noqa: BLE001 - a value of the wrong type or out of range
+        rule = f"{folder}/config.json cannot be read as a {known[model_type]} config ({e})"
+        raise ConfigError(field, value, rule, _HF_FIX) from None
+    meta_shapes(family, args, field, value, f"{folder}/config.json")  # buildable
+    return family, args
+
+
+def meta_shapes(family: str, args: Any, field: str, value: Any, source: str) -> dict[str, Any]:
+    """Our tensor names -> shapes of ``family`` built on the meta device with ``args``; args
+    that build no model (a negative width, a string) are the ``source``'s fault."""
+    try:
+        with torch.device("meta"):
+            model = MODELS[family].build(args)
+        return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    except Exception as e:  # noqa: BLE001 - any failure to build is a bad config value
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+        rule = f"{source} describes no buildable {family} model ({why})"
+        raise ConfigError(field, value, rule, "fix the config's sizes") from None
+
+
+def check_hf_model(folder: Path, field: str, family: str, args: Any, what: str) -> None:
+    """Every tensor ``family`` built with ``args`` reads is in ``folder`` with its shape."""
+    value = str(folder)
+    adapter = MODELS[family].state_dict_adapter(args)
+    if adapter is None:
+        raise ConfigError(field, value, f"{family} has no Hugging Face format", _HF_FIX)
+    ours = meta_shapes(family, args, field, value, what)
+    found = safetensors_shapes(folder, field, value, _HF_FIX)
+    expected = expected_hf_shapes(adapter, ours)
+    check_hf_tensors(found, expected, field, value, what, "use the folder of that model")
+
+
+def _shape_problem(ours: dict[str, Any], saved: dict[str, Any]) -> str | None:
+    for name in sorted(set(ours) | set(saved)):
+        if name not in saved:
+            return f"it has no {name}"
+        if name not in ours:
+            return f"it holds {name}, which the model has not"
+        if tuple(saved[name]) != tuple(ours[name]):
+            return f"{name} is {list(saved[name])} there, {list(ours[name])} in the model"
+    return None
+
+
+def check_dcp_model(path: Path, field: str, family: str, flavor: str) -> dict[str, Any]:
+    """The DCP folder's model tensors are those of ``family``/``flavor`` (the vocabulary from
+    its embedding); returns its ``name -> (shape, dtype)``. A mismatch names the flavors of
+    ``family`` that do fit, if any."""
+    saved = dcp_model_shapes(path, field)
+    shapes = {k: v[0] for k, v in saved.items()}
+    spec = MODELS[family]
+
+    def problem(name: str) -> str | None:
+        args = spec.flavors[name]
+        if "tok_embeddings.weight" in shapes:  # the trainer sets it from the tokenizer
+            args = dataclasses.replace(args, vocab_size=shapes["tok_embeddings.weight"][0])
+        return _shape_problem(meta_shapes(family, args, field, str(path), flavor), shapes)
+
+    why = problem(flavor)
+    if why is not None:
+        fits = [f for f in spec.flavors if f != flavor and problem(f) is None]
+        fix = (
+            f"use flavor {fits[0]}"
+            if fits
+            else f"give the model name and flavor it was trained as ({family} flavors: "
+            f"{list(spec.flavors)}; another family's checkpoint fits none of them)"
+        )
+        raise ConfigError(field, str(path), f"is not a {family} {flavor} checkpoint: {why}", fix)
+    return saved
+
+
+def _run_args(cfg: JobConfig) -> Any:
+    from torchtitan.data.tokenizer import build_tokenizer
+
+    spec = MODELS[cfg.model.name]
+    vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size  # validated before
+    return runtime_args(spec, cfg.model.flavor, vocab, cfg.training.seq_len)
+
+
+def _compare_configs(folder: Path, family: str, theirs: Any, cfg: JobConfig) -> None:
+    """The folder's ``config.json`` describes the run's model: the family, then each key of
+    the family's config translation (the context length excepted: the run sets its own)."""
+    field, value = "checkpoint.initial_load_path", str(folder)
+    name = cfg.model.name
+    if family != name:
+        rule = f"{folder}/config.json describes a {family} model, the run trains {name}"
+        raise ConfigError(field, value, rule, f"use --model.name {family}, or a {name} folder")
+    hf = MODELS[name].hf  # type: ignore[attr-defined]
+    ours_args = _run_args(cfg)
+    mine, there = hf.config.to_hf(ours_args), hf.config.to_hf(theirs)
+    skip = {"max_position_embeddings", hf.config.dtype_key}
+    for key in sorted(set(mine) | set(there)):
+        if key in skip or mine.get(key) == there.get(key):
+            continue
+        rule = (
+            f"{folder}/config.json has {key} = {there.get(key)!r}, the run's model "
+            f"({name} {cfg.model.flavor}) has {mine.get(key)!r}"
+        )
+        fix = "use the model.flavor (and tokenizer) of that folder's model, or its own folder"
+        raise ConfigError(field, value, rule, fix)
+
+
+def validate_initial_load(cfg: JobConfig) -> None:
+    """``checkpoint.initial_load_path``: a Hugging Face folder of the run's model (with
+    ``initial_load_in_hf``), else one intact DCP step folder of the run's model."""
+    ck = cfg.checkpoint
+    if not ck.initial_load_path or cfg.model.name not in MODELS:
+        return
+    path, field = Path(ck.initial_load_path), "checkpoint.initial_load_path"
+    if ck.initial_load_in_hf:
+        family, theirs = hf_family(path, field)
+        _compare_configs(path, family, theirs, cfg)
+        check_hf_model(path, field, family, _run_args(cfg), f"the run's model ({family})")
+        return
+    hint = "add --checkpoint.initial_load_in_hf to load a Hugging Face folder"
+    check_dcp_folder(path, field, hint, ck.verify_checksums)
+    if not cfg.lora.enable and cfg.model.flavor in MODELS[cfg.model.name].flavors:
+        check_dcp_model(path, field, cfg.model.name, cfg.model.flavor)
+
+
+def validate_eval_checkpoint(cfg: JobConfig, path: Path) -> None:
+    """``python -m torchtitan.eval``'s checkpoint: a Hugging Face folder of a family we train,
+    intact; or a DCP step folder (or a root holding one) of ``model.name``/``model.flavor``."""
+    field, value = "eval.checkpoint", str(path)
+    if not path.exists():
+        fix = "name a step-N folder, a checkpoint root or a Hugging Face folder"
+        raise ConfigError(field, value, "does not exist", fix)
+    if (path / "config.json").is_file():
+        family, args = hf_family(path, field)
+        check_hf_model(path, field, family, args, f"its config.json's {family} model")
+        return
+    if path.is_dir() and not (path / ".metadata").is_file() and io.complete_steps(path):
+        found = io.find_checkpoint(path, skip_exports=False)
+        if found is None:
+            rule = f"holds no valid checkpoint (step folders: {io.complete_steps(path)})"
+            fix = "repair one (docs/checkpoint.md) or name a step-N folder"
+            raise ConfigError(field, value, rule, fix)
+        path = found.path
+    hint = "a Hugging Face folder needs its config.json beside the *.safetensors files"
+    check_dcp_folder(path, field, hint)
+    if cfg.model.name in MODELS and cfg.model.flavor in MODELS[cfg.model.name].flavors:
+        check_dcp_model(path, field, cfg.model.name, cfg.model.flavor)
+
+
+def validate_peft_folder(cfg: JobConfig) -> None:
+    """``lora.adapter_path``: ``adapter_config.json`` is a LoRA config of the run's rank,
+    alpha and rslora, and ``adapter_model.safetensors`` is intact (which modules it targets
+    is checked when it is loaded)."""
+    lo = cfg.lora
+    if not (lo.enable and lo.adapter_path):
+        return
+    folder, field = Path(lo.adapter_path), "lora.adapter_path"
+    fix = "point it at a folder written by scripts/export_lora.py or PEFT's save_pretrained"
+    config = read_json(folder / "adapter_config.json", field, lo.adapter_path, fix)
+    if config.get("peft_type") != "LORA":
+        rule = f"{folder}/adapter_config.json has peft_type {config.get('peft_type')!r}, not LORA"
+        raise ConfigError(field, lo.adapter_path, rule, fix)
+    theirs: dict[str, Any] = {}
+    for key, kind in (("r", int), ("lora_alpha", float), ("use_rslora", bool)):
+        got: Any = config.get(key, False if key == "use_rslora" else None)
+        if kind is bool:
+            ok = isinstance(got, bool)
+        else:  # a number (r: a whole one), finite
+            ok = isinstance(got, (int, float)) and not isinstance(got, bool)
+            ok = ok and math.isfinite(got) and (kind is float or float(got).is_integer())
+        if not ok:
+            rule = f"{folder}/adapter_config.json has {key} = {got!r}, not a {kind.__name__}"
+            raise ConfigError(field, lo.adapter_path, rule, fix)
+        theirs[key] = kind(got)
+    ours = {"r": lo.rank, "lora_alpha": float(lo.alpha), "use_rslora": lo.use_rslora}
+    for key, mine in ours.items():
+        if theirs[key] != mine:
+            section = {"r": "rank", "lora_alpha": "alpha", "use_rslora": "use_rslora"}[key]
+            rule = (
+                f"{folder}/adapter_config.json has {key} = {theirs[key]!r}, the run's "
+                f"lora.{section} = {mine!r}"
+            )
+            fix2 = f"set --lora.{section} {theirs[key]} to continue these adapters"
+            raise ConfigError(field, lo.adapter_path, rule, fix2)
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(field, lo.adapter_path, f"{weights} does not exist", fix)
+    for name, shape in safetensors_shapes(folder, field, lo.adapter_path, fix).items():
+        if ".lora_A." in name and (len(shape) != 2 or shape[0] != lo.rank):
+            rule = f"{weights}: {name} has shape {list(shape)}, not rank {lo.rank} (lora.rank)"
+            raise ConfigError(field, lo.adapter_path, rule, fix)
