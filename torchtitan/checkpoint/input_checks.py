@@ -175,11 +175,11 @@ def check_dcp_folder(path: Path, field: str, hf_hint: str, verify_checksums: boo
             rule = f"is a checkpoint root, not one checkpoint (it holds {shown})"
             fix = f"give one of its step folders, e.g. {path / f'step-{steps[-1]}'}"
             raise ConfigError(field, value, rule, fix)
-        if (path / "config.json").is_file() or list(path.glob("*.safetensors")):
-            raise ConfigError(field, value, "is a Hugging Face folder, not a DCP one", hf_hint)
         if (path / "adapter_config.json").is_file():
             rule = "is a PEFT adapter folder, not a DCP checkpoint"
             raise ConfigError(field, value, rule, "merge it with scripts/export_lora.py first")
+        if (path / "config.json").is_file() or list(path.glob("*.safetensors")):
+            raise ConfigError(field, value, "is a Hugging Face folder, not a DCP one", hf_hint)
         rule = "holds no .metadata: it is not a DCP checkpoint folder"
         raise ConfigError(field, value, rule, "give a step-N folder written by training")
     if (path / io.MANIFEST).exists():

@@ -39,6 +39,7 @@ __all__ = [
     "validate_peft_folder",
 ]
 
+_COUNTS = ("dim", "n_layers", "n_heads", "vocab_size")  # DecoderArgsBase's sizes: whole, >= 1
 _HF_FIX = "point it at a Hugging Face model folder (config.json + *.safetensors) written by "
 _HF_FIX += "transformers' save_pretrained or python -m torchtitan.convert to-hf"
 
@@ -63,6 +64,11 @@ def hf_family(folder: Path, field: str) -> tuple[str, Any]:
     except Exception as e:  # noqa: BLE001 - a value of the wrong type or out of range
         rule = f"{folder}/config.json cannot be read as a {known[model_type]} config ({e})"
         raise ConfigError(field, value, rule, _HF_FIX) from None
+    for f in MODELS[family].hf.config.fields:  # type: ignore[attr-defined]
+        got = getattr(args, f.ours or "", None)
+        if f.ours in _COUNTS and not (type(got) is int and got >= 1):
+            rule = f"{folder}/config.json has {f.hf} = {config.get(f.hf)!r}: must be >= 1"
+            raise ConfigError(field, value, rule, _HF_FIX)
     meta_shapes(family, args, field, value, f"{folder}/config.json")  # buildable
     return family, args
 
@@ -150,7 +156,7 @@ def _compare_configs(folder: Path, family: str, theirs: Any, cfg: JobConfig) -> 
     ours_args = _run_args(cfg)
     mine, there = hf.config.to_hf(ours_args), hf.config.to_hf(theirs)
     skip = {"max_position_embeddings", hf.config.dtype_key}
-    for key in sorted(set(mine) | set(there)):
+    for key in [*mine, *(k for k in there if k not in mine)]:  # the family's order
         if key in skip or mine.get(key) == there.get(key):
             continue
         rule = (
@@ -190,13 +196,16 @@ def validate_eval_checkpoint(cfg: JobConfig, path: Path) -> None:
         family, args = hf_family(path, field)
         check_hf_model(path, field, family, args, f"its config.json's {family} model")
         return
-    if path.is_dir() and not (path / ".metadata").is_file() and io.complete_steps(path):
-        found = io.find_checkpoint(path, skip_exports=False)
-        if found is None:
-            rule = f"holds no valid checkpoint (step folders: {io.complete_steps(path)})"
+    steps = io.complete_steps(path) if not (path / ".metadata").is_file() else []
+    if steps:  # a checkpoint root: its newest valid step (what evaluate() picks)
+        why = {s: io.verify(io.step_dir(path, s)) for s in reversed(steps)}
+        valid = [s for s, reason in why.items() if reason is None]
+        if not valid:
+            shown = "; ".join(f"step-{s}: {r}" for s, r in why.items())
+            rule = f"holds no valid checkpoint ({shown})"
             fix = "repair one (docs/checkpoint.md) or name a step-N folder"
             raise ConfigError(field, value, rule, fix)
-        path = found.path
+        path = io.step_dir(path, valid[0])
     hint = "a Hugging Face folder needs its config.json beside the *.safetensors files"
     check_dcp_folder(path, field, hint)
     if cfg.model.name in MODELS and cfg.model.flavor in MODELS[cfg.model.name].flavors:
