@@ -227,9 +227,7 @@ class CheckpointManager:
         return self.load_initial()
 
     def load_initial(self) -> dict[str, int] | None:
-        """The weights (and, without ``initial_load_model_only``, the state) of
-        ``initial_load_path``; also used when checkpoint.enable is off (nothing is saved)."""
-        logger.info(f"checkpoint: initial weights from {self.initial_load_path}")
+        """``initial_load_path``'s weights (all, without initial_load_model_only)."""
         if self.initial_load_in_hf:
             self._load_hf(Path(self.initial_load_path))
             return None

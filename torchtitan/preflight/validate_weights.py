@@ -69,6 +69,11 @@ def hf_family(folder: Path, field: str) -> tuple[str, Any]:
         if f.ours in _COUNTS and not (type(got) is int and got >= 1):
             rule = f"{folder}/config.json has {f.hf} = {config.get(f.hf)!r}: must be >= 1"
             raise ConfigError(field, value, rule, _HF_FIX)
+    n_tensors = len(safetensors_shapes(folder, field, value, _HF_FIX))
+    if args.n_layers > n_tensors:  # before building (a huge count would take minutes)
+        rule = f"{folder}/config.json has {args.n_layers} layers, more than the {n_tensors} "
+        rule += "tensors of its *.safetensors files"
+        raise ConfigError(field, value, rule, "fix num_hidden_layers, or give the whole folder")
     meta_shapes(family, args, field, value, f"{folder}/config.json")  # buildable
     return family, args
 
@@ -181,8 +186,15 @@ def validate_initial_load(cfg: JobConfig) -> None:
         return
     hint = "add --checkpoint.initial_load_in_hf to load a Hugging Face folder"
     check_dcp_folder(path, field, hint, ck.verify_checksums)
-    if not cfg.lora.enable and cfg.model.flavor in MODELS[cfg.model.name].flavors:
-        check_dcp_model(path, field, cfg.model.name, cfg.model.flavor)
+    if cfg.lora.enable or cfg.model.flavor not in MODELS[cfg.model.name].flavors:
+        return
+    saved = check_dcp_model(path, field, cfg.model.name, cfg.model.flavor)
+    rows = saved.get("tok_embeddings.weight", ((None,), None))[0][0]
+    vocab = _run_args(cfg).vocab_size
+    if rows is not None and rows != vocab:
+        rule = f"its embedding has {rows} rows, the run's tokenizer {vocab} tokens"
+        fix = "use the tokenizer (model.tokenizer_path) that checkpoint was trained with"
+        raise ConfigError(field, str(path), rule, fix)
 
 
 def validate_eval_checkpoint(cfg: JobConfig, path: Path) -> None:
