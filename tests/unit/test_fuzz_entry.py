@@ -224,7 +224,7 @@ def work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_fuzz_hf_folders(work: Path, sources: Path, capsys) -> None:
-    @settings(FAST, max_examples=14)
+    @settings(FAST, max_examples=10)
     @given(case=hf_inputs(sources / "hf"))
     def run(case: tuple[str, bytes]) -> None:
         hf_case(work, sources, case, capsys)

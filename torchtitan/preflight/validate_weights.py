@@ -28,6 +28,8 @@ from torchtitan.checkpoint.input_checks import (
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.models import MODELS, family_for_hf_config, runtime_args
+from torchtitan.models.common.args import mtp_overrides
+from torchtitan.models.common.moe import moe_overrides
 
 __all__ = [
     "check_dcp_model",
@@ -114,19 +116,21 @@ def _shape_problem(ours: dict[str, Any], saved: dict[str, Any]) -> str | None:
     return None
 
 
-def check_dcp_model(path: Path, field: str, family: str, flavor: str) -> dict[str, Any]:
-    """The DCP folder's model tensors are those of ``family``/``flavor`` (the vocabulary from
-    its embedding); returns its ``name -> (shape, dtype)``. A mismatch names the flavors of
-    ``family`` that do fit, if any."""
+def check_dcp_model(
+    path: Path, field: str, family: str, flavor: str, args: Any = None
+) -> dict[str, Any]:
+    """The DCP folder's model tensors are those of ``family``/``flavor`` (``args``: the
+    run's, else the flavor's; the vocabulary from its embedding); returns its ``name ->
+    (shape, dtype)``. A mismatch names the flavors of ``family`` that do fit, if any."""
     saved = dcp_model_shapes(path, field)
     shapes = {k: v[0] for k, v in saved.items()}
     spec = MODELS[family]
 
     def problem(name: str) -> str | None:
-        args = spec.flavors[name]
+        args_ = args if args is not None and name == flavor else spec.flavors[name]
         if "tok_embeddings.weight" in shapes:  # the trainer sets it from the tokenizer
-            args = dataclasses.replace(args, vocab_size=shapes["tok_embeddings.weight"][0])
-        return _shape_problem(meta_shapes(family, args, field, str(path), flavor), shapes)
+            args_ = dataclasses.replace(args_, vocab_size=shapes["tok_embeddings.weight"][0])
+        return _shape_problem(meta_shapes(family, args_, field, str(path), flavor), shapes)
 
     why = problem(flavor)
     if why is not None:
@@ -142,11 +146,13 @@ def check_dcp_model(path: Path, field: str, family: str, flavor: str) -> dict[st
 
 
 def _run_args(cfg: JobConfig) -> Any:
+    """The args the trainer builds (``Trainer._build_model``), the attention backend aside."""
     from torchtitan.data.tokenizer import build_tokenizer
 
     spec = MODELS[cfg.model.name]
     vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size  # validated before
-    return runtime_args(spec, cfg.model.flavor, vocab, cfg.training.seq_len)
+    args = runtime_args(spec, cfg.model.flavor, vocab, cfg.training.seq_len)
+    return mtp_overrides(moe_overrides(args, cfg.model), cfg.model)
 
 
 def _compare_configs(folder: Path, family: str, theirs: Any, cfg: JobConfig) -> None:
@@ -161,8 +167,12 @@ def _compare_configs(folder: Path, family: str, theirs: Any, cfg: JobConfig) -> 
     ours_args = _run_args(cfg)
     mine, there = hf.config.to_hf(ours_args), hf.config.to_hf(theirs)
     skip = {"max_position_embeddings", hf.config.dtype_key}
+    # a run may train fewer multi-token-prediction layers than the folder holds
+    mtp = {f.hf for f in hf.config.fields if f.ours == "mtp_depth"}
     for key in [*mine, *(k for k in there if k not in mine)]:  # the family's order
         if key in skip or mine.get(key) == there.get(key):
+            continue
+        if key in mtp and isinstance(there.get(key), int) and mine[key] <= there[key]:
             continue
         rule = (
             f"{folder}/config.json has {key} = {there.get(key)!r}, the run's model "
@@ -188,9 +198,9 @@ def validate_initial_load(cfg: JobConfig) -> None:
     check_dcp_folder(path, field, hint, ck.verify_checksums)
     if cfg.lora.enable or cfg.model.flavor not in MODELS[cfg.model.name].flavors:
         return
-    saved = check_dcp_model(path, field, cfg.model.name, cfg.model.flavor)
-    rows = saved.get("tok_embeddings.weight", ((None,), None))[0][0]
-    vocab = _run_args(cfg).vocab_size
+    run = _run_args(cfg)
+    saved = check_dcp_model(path, field, cfg.model.name, cfg.model.flavor, run)
+    rows, vocab = saved.get("tok_embeddings.weight", ((None,), None))[0][0], run.vocab_size
     if rows is not None and rows != vocab:
         rule = f"its embedding has {rows} rows, the run's tokenizer {vocab} tokens"
         fix = "use the tokenizer (model.tokenizer_path) that checkpoint was trained with"
