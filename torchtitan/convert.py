@@ -11,6 +11,9 @@ process), filled by DCP or by the streaming Hugging Face import, and written by 
 streaming export (``checkpoint/hf_io.py``; docs/hf_io.md): no rank ever holds more than its
 shard plus one full tensor. After writing, the output is read back the same way and compared
 bitwise (``--no-verify`` skips it). Conversion runs on host memory, so the group is gloo.
+Every argument and input folder is checked first, before any process group or model
+(``preflight/validate_convert.py``): bad input is one line ``error: <argument> = <value>: ...
+Fix: ...`` and exit 2, and nothing is written.
 """
 
 from __future__ import annotations
@@ -194,7 +197,7 @@ def from_hf(
     assert spec.hf is not None
     args = spec.hf.config.args_from_hf(json.loads((folder / "config.json").read_text()))
     if flavor is not None:
-        _check_flavor(args, spec, flavor, folder)
+        checks.check_flavor(args, spec, flavor, folder)
     source = hf_io.SafetensorsFolder(folder)
     adapter = spec.state_dict_adapter(args)
     assert adapter is not None
@@ -228,23 +231,6 @@ def from_hf(
         _say(f"verified: {len(back)} tensors read back from {path} are bitwise equal")
     _say(f"model args: {args}")
     return path
-
-
-def _check_flavor(args: Any, spec: FamilySpec, flavor: str, folder: Path) -> None:
-    if flavor not in spec.flavors:
-        rule = f"is not a flavor of {spec.name}"
-        raise ConfigError("--flavor", flavor, rule, f"pick one of {list(spec.flavors)}")
-    want = dataclasses.replace(
-        spec.flavors[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len
-    )
-    differ = [
-        f"{f.name}={getattr(args, f.name)!r} (flavor: {getattr(want, f.name)!r})"
-        for f in dataclasses.fields(args)
-        if getattr(args, f.name) != getattr(want, f.name) and f.name != "attn_backend"
-    ]
-    if differ:
-        rule = f"{folder}/config.json is not --flavor {flavor}: {', '.join(differ)}"
-        raise ConfigError("--flavor", flavor, rule, "drop --flavor, or give that model's folder")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -292,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             checks.check_from_hf(a)
             path = from_hf(a.hf_folder, a.output, a.model, a.step, a.flavor, dtype, a.verify)
             _say(f"wrote {path}")
-    except ConfigError as e:  # bad input: one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
+    except ConfigError as e:  # bad input: one line (from rank 0 under torchrun), exit 2
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
         return 2
     except CheckpointWriteError as e:  # a full disk or no permission: one line, exit 4
         print(f"error: {e}", file=sys.stderr)

@@ -18,7 +18,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.models import MODELS
 from torchtitan.preflight.validate_weights import check_dcp_model, check_hf_model, hf_family
 
-__all__ = ["check_from_hf", "check_to_hf"]
+__all__ = ["check_flavor", "check_from_hf", "check_to_hf"]
 
 
 def _flavor(model: str, flavor: str) -> Any:
@@ -82,9 +82,28 @@ def check_from_hf(a: argparse.Namespace) -> None:
         rule = f"{folder}/config.json describes a {family} model"
         raise ConfigError("--model", a.model, rule, f"use --model {family}")
     if a.flavor is not None:
-        _flavor(a.model, a.flavor)  # the config's differences: convert._check_flavor
+        check_flavor(args, MODELS[a.model], a.flavor, folder)
     check_hf_model(folder, "hf_folder", family, args, f"its config.json's {family} model")
     step = io.step_dir(a.output, a.step)
     if step.exists():
         rule = f"{step} exists: converting would replace it"
         raise ConfigError("--step", a.step, rule, "use another --step or output folder")
+
+
+def check_flavor(args: Any, spec: Any, flavor: str, folder: Path) -> None:
+    """The args read from ``folder/config.json`` are ``spec``'s ``flavor`` (vocabulary and
+    context length aside)."""
+    if flavor not in spec.flavors:
+        rule = f"is not a flavor of {spec.name}"
+        raise ConfigError("--flavor", flavor, rule, f"pick one of {list(spec.flavors)}")
+    want = dataclasses.replace(
+        spec.flavors[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len
+    )
+    differ = [
+        f"{f.name}={getattr(args, f.name)!r} (flavor: {getattr(want, f.name)!r})"
+        for f in dataclasses.fields(args)
+        if getattr(args, f.name) != getattr(want, f.name) and f.name != "attn_backend"
+    ]
+    if differ:
+        rule = f"{folder}/config.json is not --flavor {flavor}: {', '.join(differ)}"
+        raise ConfigError("--flavor", flavor, rule, "drop --flavor, or give that model's folder")
