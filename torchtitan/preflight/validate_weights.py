@@ -101,7 +101,11 @@ def check_hf_model(folder: Path, field: str, family: str, args: Any, what: str) 
         raise ConfigError(field, value, f"{family} has no Hugging Face format", _HF_FIX)
     ours = meta_shapes(family, args, field, value, what)
     found = safetensors_shapes(folder, field, value, _HF_FIX)
-    expected = expected_hf_shapes(adapter, ours)
+    try:
+        expected = expected_hf_shapes(adapter, ours)
+    except Exception as e:  # noqa: BLE001 - a layout the family's transforms cannot express
+        rule = f"{what} has no Hugging Face layout ({type(e).__name__}: {str(e)[:120]})"
+        raise ConfigError(field, value, rule, "fix the config's sizes") from None
     check_hf_tensors(found, expected, field, value, what, "use the folder of that model")
 
 
