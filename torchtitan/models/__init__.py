@@ -33,4 +33,15 @@ def family_for_hf_config(config: Mapping[str, Any]) -> tuple[str, Any]:
     raise ValueError(f"config.json: model_type {model_type!r} is not one of {known}")
 
 
-__all__ = ["MODELS", "ModelSpec", "family_for_hf_config", "runtime_args"]
+def model_title(cfg: Any) -> str:
+    """The family and flavor a config builds (``qwen3 30B-A3B``), with its adapters: what
+    banners name (a config's ``job.description`` is the user's free text and may describe
+    another model, e.g. ``debug_model.toml`` run with ``--model.name qwen3``)."""
+    title = f"{cfg.model.name} {cfg.model.flavor}"
+    if cfg.lora.enable:
+        nf4 = " on an NF4 base" if cfg.lora.quantize_base == "nf4" else ""
+        title += f" + LoRA rank {cfg.lora.rank}{nf4}"
+    return title
+
+
+__all__ = ["MODELS", "ModelSpec", "family_for_hf_config", "model_title", "runtime_args"]
