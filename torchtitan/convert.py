@@ -194,6 +194,9 @@ def from_hf(
     source = hf_io.SafetensorsFolder(folder)
     adapter = spec.state_dict_adapter(args)
     assert adapter is not None
+    args = adapter.args_for_weights(source.names())  # modules config.json declares, weights lack
+    adapter = spec.state_dict_adapter(args)
+    assert adapter is not None
     first = adapter.to_hf_one("tok_embeddings.weight", torch.empty(0, device="meta"))[0][0]
     shapes = _model_shapes(spec, args, dtype or source.dtype(first))
     sd = sharded_empty(shapes, mesh)

@@ -179,6 +179,9 @@ def load_hf_state_dict(
 ) -> Progress:
     """Fill the tensors of ``sd`` (our names; DTensors or plain) in place from ``folder``."""
     source = SafetensorsFolder(folder)
+    check = getattr(adapter, "check_source", None)  # e.g. layers the model needs are absent
+    if check is not None:
+        check(source, folder)
     # A tied head shares the embedding's storage (read once), or is a copy of its box.
     unique: dict[tuple[int, tuple[int, ...]], tuple[str, torch.Tensor]] = {}
     for key, t in sd.items():

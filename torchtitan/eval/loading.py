@@ -45,6 +45,11 @@ def load_weights(
             raise ValueError(f"{path}: {e}") from None
         adapter = MODELS[family].state_dict_adapter(args)
         assert adapter is not None
+        fit = getattr(adapter, "args_for_weights", None)  # modules config.json declares that
+        if fit is not None:  # the weights lack (DeepSeek-V3's MTP layers): left out, logged
+            args = fit(hf_sd)
+            adapter = MODELS[family].state_dict_adapter(args)
+            assert adapter is not None
         return family, args, adapter.from_hf(hf_sd)
     if not (path / ".metadata").is_file():  # the checkpoint root: the newest valid step
         found = io.find_checkpoint(path, skip_exports=False)

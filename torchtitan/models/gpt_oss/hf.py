@@ -7,6 +7,12 @@
 - the experts are stored as HF holds them (``mlp.experts.gate_up_proj [E, dim, 2H]`` with gate
   and up interleaved, its bias, ``down_proj [E, H, dim]``, its bias): renamed, not transformed;
 - the auxiliary-loss-free routing bias has no HF counterpart: it must be zero to export;
+- ``router_aux_loss_coef`` is neither imported nor exported: it weights transformers'
+  load-balancing loss (one ``E * sum_e f_e * P_e`` over the router logits of every layer and
+  token together, only with ``output_router_logits``), whose gradients differ from our per-layer,
+  per-sequence auxiliary loss (``models/common/moe.py``), so taking its value for ours would train a different objective. An imported model has our
+  auxiliary loss off (``--model.moe_aux_loss_coef C`` turns it on, docs/moe.md); an export keeps
+  transformers' default;
 - ``config.json``: ``layer_types``, ``sliding_window``, the YaRN ``rope_parameters``, the
   experts' fields and the SwiGLU clamp. MXFP4-quantized checkpoints (the published
   ``*_blocks``/``*_scales`` tensors) are refused: dequantize them with transformers first.
@@ -45,7 +51,6 @@ class _ShapeSection:
             "num_local_experts": m.num_experts,
             "num_experts_per_tok": m.top_k,
             "intermediate_size": m.expert_dim,
-            "router_aux_loss_coef": m.aux_loss_coef,
         }
 
     def from_hf(self, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -60,7 +65,8 @@ class _ShapeSection:
                 num_experts=int(config.get("num_local_experts") or config["num_experts"]),
                 top_k=config["num_experts_per_tok"],
                 expert_dim=config["intermediate_size"],
-                aux_loss_coef=config.get("router_aux_loss_coef", 0.0),
+                # Not ``router_aux_loss_coef``: see the module docstring.
+                aux_loss_coef=0.0,
             )
         }
         types = tuple(config.get("layer_types") or ())

@@ -173,6 +173,11 @@ class StateDictAdapter:
                     like = out[key]
                     out[key.removesuffix(only.like) + name] = like.new_zeros(like.shape[0])
 
+    def args_for_weights(self, names: Any) -> Any:
+        """The args for a folder holding the HF tensor ``names``: ``args`` (a family whose
+        ``config.json`` may declare modules its weights lack adjusts them: DeepSeek-V3's MTP)."""
+        return self.args
+
     def hf_config(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """``config.json`` for the family's transformers class with these args."""
         return self.mapping.config.to_hf(self.args, dtype)
