@@ -37,6 +37,7 @@ from torchtitan.models.common.hf.decoder import (
 )
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
+from torchtitan.models.deepseek_v3.hf_keys import DEEPSEEK_V3_KEYS
 
 MLA_NAMES = {
     f"attention.{ours}.weight": f"self_attn.{hf}.weight"
@@ -150,6 +151,7 @@ _CONFIG = HFConfig(
         ConfigField("num_nextn_predict_layers", "mtp_depth", default=0),
     ),
     sections=(_MoESection(), _RopeSection()),
+    keys=DEEPSEEK_V3_KEYS,
 )
 
 DEEPSEEK_V3_HF = HFMapping(

@@ -23,6 +23,7 @@ from torchtitan.models.common.hf.mapping import RopeRows
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.rope import YarnScaling
 from torchtitan.models.gpt_oss.args import GptOssArgs, alternating_layers
+from torchtitan.models.gpt_oss.hf_keys import GPT_OSS_KEYS
 
 
 class _ShapeSection:
@@ -93,6 +94,7 @@ _CONFIG = HFConfig(
         ConfigField("swiglu_alpha", "swiglu_alpha", default=1.702),
     ),
     sections=(_ShapeSection(),),
+    keys=GPT_OSS_KEYS,
 )
 
 _BIASES = {

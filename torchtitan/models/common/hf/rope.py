@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from torchtitan.models.common.hf.keys import HFConfigError, HFKey, mapped
+from torchtitan.models.common.hf.keys import HFConfigError, HFKey, Rule, mapped, refused
 from torchtitan.models.common.rope import LinearScaling, Llama3Scaling, RopeScaling, YarnScaling
 
 SUPPORTED = ("default", "linear", "llama3", "yarn")
@@ -40,26 +40,43 @@ def _refuse(key: str, value: Any, rule: str, fix: str) -> HFConfigError:
     return HFConfigError(f"config.json: {key}", value, rule, fix)
 
 
-def _check(value: Any, config: Mapping[str, Any]) -> tuple[str, str] | None:
-    if not value:
+def rope_rule(supported: tuple[str, ...] = SUPPORTED) -> Rule:
+    """The key-table rule of ``rope_parameters`` / ``rope_scaling``: a ``rope_type`` among
+    ``supported``, full rotary width."""
+
+    def rule(value: Any, config: Mapping[str, Any]) -> tuple[str, str] | None:
+        if not value:
+            return None
+        kind = rope_type(value)
+        if kind not in supported:
+            why = _WHY.get(kind, "not implemented")
+            return f"rope_type {kind!r}: {why}; supported: {', '.join(supported)}", (
+                "use one of those rope_type values (or convert the model with transformers first)"
+            )
+        if value.get("partial_rotary_factor", 1.0) != 1.0:
+            return "partial rotary embeddings are not implemented (1.0 only)", "remove it"
         return None
-    kind = rope_type(value)
-    if kind not in SUPPORTED:
-        why = _WHY.get(kind, "not implemented")
-        return f"rope_type {kind!r}: {why}; supported: {', '.join(SUPPORTED)}", (
-            "use one of those rope_type values (or convert the model with transformers first)"
-        )
-    if value.get("partial_rotary_factor", 1.0) != 1.0:
-        return "partial rotary embeddings are not implemented (1.0 only)", "remove it"
-    return None
+
+    return rule
 
 
-def rope_keys(ours: str = "rope_scaling") -> tuple[HFKey, ...]:
-    """The table entries of the RoPE keys of a family with a :data:`RopeScaling` field."""
+_check = rope_rule()
+
+
+def rope_keys(
+    ours: str = "rope_scaling", supported: tuple[str, ...] = SUPPORTED
+) -> tuple[HFKey, ...]:
+    """The table entries of the RoPE keys (``ours``: the args field(s) they set)."""
+    rule = rope_rule(supported)
     return (
-        mapped("rope_parameters", f"rope_theta, {ours} (rope_type {', '.join(SUPPORTED)})", _check),
-        mapped("rope_scaling", f"{ours} (transformers < 5; wins over rope_parameters)", _check),
+        mapped("rope_parameters", f"rope_theta, {ours} (rope_type {', '.join(supported)})", rule),
+        mapped("rope_scaling", f"{ours} (transformers < 5; wins over rope_parameters)", rule),
         mapped("rope_theta", "rope_theta"),
+        refused(
+            "partial_rotary_factor",
+            "partial rotary embeddings are not implemented",
+            lambda v: v in (None, 1, 1.0),
+        ),
     )
 
 
