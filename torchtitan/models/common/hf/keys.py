@@ -67,6 +67,7 @@ def only(*allowed: Any, what: str = "") -> Rule:
         shown = ", ".join(repr(a) for a in allowed)
         return f"supported: {shown}{' (' + what + ')' if what else ''}", f"use {shown}"
 
+    rule.shown = ", ".join(repr(a) for a in allowed)  # type: ignore[attr-defined]
     return rule
 
 
@@ -132,5 +133,7 @@ class KeyTable:
         rows = ["| key | status | ours / reason |", "|---|---|---|"]
         for key in sorted(self.keys):
             k = self.keys[key]
-            rows.append(f"| `{key}` | {k.status} | {k.note.replace('|', '/')} |")
+            shown = getattr(k.rule, "shown", None)
+            note = k.note + (f"; only {shown}" if shown else "")
+            rows.append(f"| `{key}` | {k.status} | {note.replace('|', '/')} |")
         return rows
