@@ -80,6 +80,12 @@ def rope_keys(
     )
 
 
+def yarn_from_params(p: Mapping[str, Any], config: Mapping[str, Any]) -> YarnScaling:
+    """:class:`YarnScaling` from a ``rope_type: yarn`` dict, transformers' defaults applied."""
+    max_pos = int(config.get("max_position_embeddings", 0) or 0)
+    return _yarn(p, int(p.get("original_max_position_embeddings") or max_pos), max_pos)
+
+
 def _yarn(p: Mapping[str, Any], original: int, max_pos: int) -> YarnScaling:
     factor = float(p.get("factor") or max_pos / original)
     attention = p.get("attention_factor")
