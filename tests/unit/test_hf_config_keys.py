@@ -118,6 +118,30 @@ def _gpt_oss(rope: str, tie: bool) -> Any:
     return config, rope
 
 
+def _deepseek_v3(rope: str, tie: bool) -> Any:
+    shape = {**_SHAPE, "num_key_value_heads": 4}
+    config = transformers.DeepseekV3Config(
+        **shape,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_nextn_predict_layers=0,  # transformers builds no MTP layers (hf.py converts them)
+        tie_word_embeddings=tie,
+    )
+    return config, rope
+
+
 def _case(family: str, make: Callable[[str, bool], Any], ropes: tuple[str, ...]) -> list[Any]:
     return [
         pytest.param(make, rope, tie, id=f"{family}-{rope}-{'tied' if tie else 'untied'}")
@@ -134,6 +158,7 @@ GRID = [
     *_case("qwen3_moe", _qwen3_moe(False), ("yarn",)),
     *_case("qwen3_moe-window", _qwen3_moe(True), ("default", "yarn")),
     *_case("gpt_oss", _gpt_oss, ("default", "yarn-mscale")),
+    *_case("deepseek_v3", _deepseek_v3, ("default", "yarn-mscale")),
 ]
 
 
@@ -144,6 +169,7 @@ def _hf_model(make: Callable[[str, bool], Any], rope: str, tie: bool) -> Any:
     config.standardize_rope_params()
     torch.manual_seed(0)
     arch = {"llama": "Llama", "qwen3": "Qwen3", "qwen3_moe": "Qwen3Moe", "gpt_oss": "GptOss"}
+    arch["deepseek_v3"] = "DeepseekV3"
     cls = getattr(transformers, f"{arch[config.model_type]}ForCausalLM")
     config._attn_implementation = "eager"
     return cls(config).float().eval()
