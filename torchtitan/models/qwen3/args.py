@@ -83,6 +83,14 @@ class Qwen3Args(DecoderArgsBase):
     def n_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
+    def flops_per_token(self, seq_len: int) -> int:
+        """The base formula, where a windowed block's query reaches
+        ``min(sliding_window, seq_len)`` keys, not ``seq_len`` (as GPT-OSS counts)."""
+        full = super().flops_per_token(seq_len)
+        per_key = 12 * self.n_heads * self.head_dim
+        cut = sum(seq_len - min(self.window(i) or seq_len, seq_len) for i in range(self.n_layers))
+        return full - per_key * cut
+
     def _ffn_params(self, layer_id: int, active: bool) -> int:
         if self.moe is not None and self.is_moe_layer(layer_id):
             return self.moe.num_params(self.dim, active=active)
