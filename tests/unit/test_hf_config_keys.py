@@ -304,22 +304,34 @@ def test_every_exported_key_is_in_the_table(case: str) -> None:
     assert check_hf_config(family, config) == []
 
 
-def test_convert_from_hf_exits_2_with_one_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def _refused_folder(folder: Path) -> Path:
+    """A transformers Qwen3 folder whose ``config.json`` asks for dynamic NTK RoPE."""
+    hf = _hf_model(_qwen3("none"), "default", False)
+    hf.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("entry", ["convert", "generate"])
+def test_entry_points_exit_2_with_one_line(
+    entry: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """``python -m torchtitan.convert from-hf`` and ``scripts/generate.py --hf`` (evaluation's
+    reader) print the refusal as one line and exit 2."""
+    from tests.script_loader import load
     from torchtitan import convert
 
-    hf = _hf_model(_qwen3("none"), "default", False)
-    hf.save_pretrained(tmp_path / "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    folder = _refused_folder(tmp_path / "hf")
     capsys.readouterr()  # save_pretrained's progress bar
-    code = convert.main(
-        ["from-hf", str(tmp_path / "hf"), str(tmp_path / "out"), "--model", "qwen3"]
-    )
+    if entry == "convert":
+        code = convert.main(["from-hf", str(folder), str(tmp_path / "out"), "--model", "qwen3"])
+    else:
+        code = load("scripts/generate.py").main([str(folder), "--hf"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "rope_parameters" in err[0] and "dynamic" in err[0], err
+    assert code == 2 and len(err) == 1, err
+    assert "rope_parameters" in err[0] and "dynamic" in err[0], err
 
 
 def test_training_refuses_a_folder_the_flavor_would_drop(tmp_path: Path) -> None:

@@ -92,6 +92,16 @@ COMMON: tuple[HFKey, ...] = (
     irrelevant("problem_type", "sequence-classification heads only"),
     irrelevant("chunk_size_feed_forward", "a transformers memory option (same result)"),
     irrelevant("is_encoder_decoder", "False for every decoder-only family"),
+    irrelevant("auto_map", "remote-code class names; no code from a folder is run"),
+    irrelevant("tokenizer_class", "the tokenizer's (tokenizer.json)"),
+    irrelevant(
+        "use_bfloat16", "a transformers 4 storage flag; tensors are read in their own dtype"
+    ),
+    irrelevant("torchscript", "a transformers export switch"),
+    refused(
+        "quantization_config",
+        "quantized weights (GPTQ, AWQ, FP8, MXFP4...) are not read; dequantize to bf16 first",
+    ),
     refused(
         "attention_dropout",
         "attention dropout is not implemented (training is deterministic)",
