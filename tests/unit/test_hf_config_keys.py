@@ -357,3 +357,16 @@ def test_hf_io_doc_tables_are_current() -> None:
 
     page = DOC.read_text()
     assert render(page) == page, "run python -m torchtitan.models.hf_keys_doc"
+
+
+def test_windowed_qwen3_counts_its_keys_and_offers_no_context_parallel() -> None:
+    from tests.tiny_args import tiny_qwen3
+    from torchtitan.models.qwen3.parallel_plan import qwen3_parallel_plan
+
+    full = tiny_qwen3(n_layers=3)
+    windowed = dataclasses.replace(full, sliding_window=8, window_layers=(1, 2))
+    per_key = 12 * full.n_heads * full.head_dim
+    assert full.flops_per_token(40) - windowed.flops_per_token(40) == per_key * 2 * (40 - 8)
+    assert windowed.flops_per_token(8) == full.flops_per_token(8)
+    assert qwen3_parallel_plan(full).context_parallel is not None
+    assert qwen3_parallel_plan(windowed).context_parallel is None
