@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from torchtitan.checkpoint import storage as io
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
@@ -41,6 +42,8 @@ def load_weights(
         config, hf_sd = io.read_hf_folder(path)
         try:
             family, args = family_for_hf_config(config)
+        except ConfigError:  # a config.json key we cannot compute (docs/hf_io.md): exit 2
+            raise
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         adapter = MODELS[family].state_dict_adapter(args)

@@ -40,6 +40,7 @@ from torchtitan.models.common.hf.decoder import (
 from torchtitan.models.common.hf.mapping import Box, HFSource, box_shape
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
+from torchtitan.models.deepseek_v3.hf_keys import DEEPSEEK_V3_KEYS
 from torchtitan.tools.logging import logger
 
 MLA_NAMES = {
@@ -165,6 +166,7 @@ _CONFIG = HFConfig(
         ConfigField("num_nextn_predict_layers", "mtp_depth", default=_mtp_layers),
     ),
     sections=(_MoESection(), _RopeSection()),
+    keys=DEEPSEEK_V3_KEYS,
 )
 
 DEEPSEEK_V3_HF = HFMapping(

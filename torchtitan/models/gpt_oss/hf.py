@@ -26,9 +26,10 @@ from typing import Any
 from torchtitan.models.common.hf import ConfigField, HFConfig, HFMapping, OursOnly
 from torchtitan.models.common.hf import decoder as hf_decoder
 from torchtitan.models.common.hf.mapping import RopeRows
+from torchtitan.models.common.hf.rope import rope_params, yarn_from_params
 from torchtitan.models.common.moe import MoEArgs
-from torchtitan.models.common.rope import YarnScaling
 from torchtitan.models.gpt_oss.args import GptOssArgs, alternating_layers
+from torchtitan.models.gpt_oss.hf_keys import GPT_OSS_KEYS
 
 
 class _ShapeSection:
@@ -59,7 +60,7 @@ class _ShapeSection:
                 "quantized GPT-OSS checkpoint (MXFP4 *_blocks/*_scales): dequantize it with "
                 "transformers (Mxfp4Config(dequantize=True)) and save it in bf16 first"
             )
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope = rope_params(config)  # transformers: rope_scaling wins over rope_parameters
         kwargs: dict[str, Any] = {
             "moe": MoEArgs(
                 num_experts=int(config.get("num_local_experts") or config["num_experts"]),
@@ -74,11 +75,7 @@ class _ShapeSection:
             kwargs["layer_types"] = types  # None stands for the published alternation
         rope_type = rope.get("rope_type", "default")
         if rope_type == "yarn":
-            kwargs["yarn"] = YarnScaling(
-                **hf_decoder.yarn_from_hf(rope),
-                truncate=bool(rope.get("truncate", True)),
-                attention_factor=rope.get("attention_factor"),
-            )
+            kwargs["yarn"] = yarn_from_params(rope, config)
         elif rope_type == "default":
             kwargs["yarn"] = None
         else:
@@ -99,6 +96,7 @@ _CONFIG = HFConfig(
         ConfigField("swiglu_alpha", "swiglu_alpha", default=1.702),
     ),
     sections=(_ShapeSection(),),
+    keys=GPT_OSS_KEYS,
 )
 
 _BIASES = {

@@ -127,7 +127,7 @@ class StateDictAdapter:
             out[ours] = torch.stack([by_id[i] for i in range(len(by_id))]).contiguous()
         self._add_ours_only(out)
         head, embedding = m.tied
-        if self._tied and head not in out:
+        if self._tied and head not in out and embedding in out:  # (a part may lack both)
             out[head] = out[embedding]
         return out
 
