@@ -130,3 +130,67 @@ def test_offline_unknown_hub_dataset_is_one_message(tmp_path: Path) -> None:
     want = "config error: training.dataset = 'no-such-user/no-such-dataset': could not be opened"
     assert want in proc.stderr and "OfflineModeIsEnabled" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# `python -m torchtitan.plan`'s own options: exit 2 and one line naming the option (docs/planning.md)
+PLAN_CASES = [
+    (["--world_size", "8", "--device_memory_gib", "-5"], "--device_memory_gib = -5.0: must be a"),
+    (
+        ["--world_size", "0", "--device_memory_gib", "80"],
+        "--world_size = 0: must be an integer >= 1",
+    ),
+    (
+        ["--world_size", "8", "--device_memory_gib", "80", "--nodes", "3"],
+        "--nodes = 3: must divide",
+    ),
+    (["--world_size", "8", "--device_memory_gib", "80", "--nodes", "0"], "--nodes = 0: must be an"),
+    (
+        ["--world_size", "8", "--device_memory_gib", "80", "--mfu", "2"],
+        "--mfu = 2.0: must be in (0",
+    ),
+    (["--world_size", "8", "--device_memory_gib", "80", "--top", "0"], "--top = 0: must be an"),
+    (["--world_size", "8", "--device_memory_gib", "nan"], "--device_memory_gib = nan: must be a"),
+    (["--world_size", "8"], "--device_memory_gib: is required"),
+]
+
+
+@pytest.mark.parametrize(("args", "words"), PLAN_CASES, ids=[c[1].split()[0] for c in PLAN_CASES])
+def test_plan_option_errors_exit_2(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchtitan.plan.__main__ import main as plan_main
+
+    rc = plan_main(["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), *args])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", (rc, out, err)
+    assert len(err.strip().splitlines()) == 1 and words in err and "Fix: " in err, err
+    if args[:2] == ["--world_size", "0"]:
+        assert "--nodes" not in err  # the bad option is named, not its neighbour
+
+
+def test_validating_skips_the_fit_check_launching_runs_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m torchtitan.config`` validates a layout for any machine; with ``--launch``
+    (what run_train.sh passes) it checks this machine's memory too (here: 1 GiB of host)."""
+    from torchtitan.config.__main__ import main as config_main
+    from torchtitan.plan import fit
+
+    class Small:
+        available = 2**30
+
+    monkeypatch.setattr(fit.psutil, "virtual_memory", lambda: Small())
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    argv = [
+        "--job.config_file",
+        str(ROOT / "train_configs" / "llama3_8b.toml"),
+        "--world_size",
+        "8",
+    ]
+    assert config_main(argv) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert config_main(["--launch", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "config error: job.fit_check = 'error': the job does not fit: 8 rank(s)" in err
+    assert "of the 1.00 GiB of host memory available" in err
+    assert "--launch" in (ROOT / "run_train.sh").read_text()
