@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.bad_inputs import CASES, argv_of, make_bad_files
+from tests.unit.bad_inputs import CASES, CONFIG, argv_of, make_bad_files
 from torchtitan.config.errors import ConfigError
 from torchtitan.data.checks import DataError
 from torchtitan.data.dataloader import build_dataloader
@@ -194,3 +194,26 @@ def test_validating_skips_the_fit_check_launching_runs_it(
     assert "config error: job.fit_check = 'error': the job does not fit: 8 rank(s)" in err
     assert "of the 1.00 GiB of host memory available" in err
     assert "--launch" in (ROOT / "run_train.sh").read_text()
+
+
+def test_mtp_depth_bound_is_what_the_model_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.mtp_depth <= seq_len - 2``: at the bound the deepest module keeps one target;
+    one deeper it has none; at ``seq_len`` the shifted tokens no longer stack (the old failure,
+    a ``torch.stack`` error once the model was built)."""
+    import torch
+
+    from torchtitan.models.deepseek_v3.mtp import IGNORE, mtp_tokens
+
+    seq = 8
+    tokens = torch.arange(2 * seq).reshape(2, seq)
+    at_bound = mtp_tokens(tokens, seq - 2)
+    assert at_bound.shape == (2, seq, seq - 1)
+    assert int((at_bound[..., -1] != IGNORE).sum()) == 2  # one target per sequence
+    assert bool((mtp_tokens(tokens, seq - 1)[..., -1] == IGNORE).all())  # no target at all
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        mtp_tokens(tokens, seq)
+    monkeypatch.chdir(ROOT)
+    base = ["--model.name", "deepseek_v3", "--training.seq_len", str(seq)]
+    load_config([*CONFIG, *base, "--model.mtp_depth", str(seq - 2)], world_size=1)
+    with pytest.raises(ConfigError, match="must be at most training.seq_len - 2 = 6"):
+        load_config([*CONFIG, *base, "--model.mtp_depth", str(seq - 1)], world_size=1)

@@ -11,7 +11,6 @@ import io
 import os
 import runpy
 import shlex
-import shutil
 import subprocess
 import sys
 from functools import cache
@@ -80,12 +79,12 @@ def _help(target: str, sub: str) -> str:
     old = sys.argv
     try:
         sys.argv = argv
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            with contextlib.suppress(SystemExit):
-                if target.endswith(".py"):
-                    runpy.run_path(str(ROOT / target), run_name="__main__")
-                else:
-                    runpy.run_module(target, run_name="__main__", alter_sys=False)
+        quiet = (contextlib.redirect_stdout(out), contextlib.redirect_stderr(out))
+        with quiet[0], quiet[1], contextlib.suppress(SystemExit):
+            if target.endswith(".py"):
+                runpy.run_path(str(ROOT / target), run_name="__main__")
+            else:
+                runpy.run_module(target, run_name="__main__", alter_sys=False)
     finally:
         sys.argv = old
     return out.getvalue()
@@ -164,9 +163,10 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory) -> Path:
             (box / entry.name).symlink_to(entry)
     bin_dir = box / ".bin"
     bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
-    torchrun = Path(sys.executable).with_name("torchrun")
-    (bin_dir / "torchrun").symlink_to(torchrun if torchrun.exists() else shutil.which("torchrun"))
+    # wrappers, not links: a link to a venv's python starts the base interpreter
+    for name, run in (("python", ""), ("torchrun", " -m torch.distributed.run")):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{run} "$@"\n')
+        (bin_dir / name).chmod(0o755)
     return box
 
 
