@@ -188,7 +188,9 @@ def run_one(
 
     t = cfg.training
     tps = trainer.device_tokens_per_step * steps / elapsed
-    flops_per_token = trainer.model_args.flops_per_token(t.seq_len)
+    flops_per_token = (
+        trainer.metrics.flops_per_token
+    )  # what the log's MFU counts (plan/lora_memory.py)
     achieved = flops_per_token * tps
     mem_key = "memory/peak_gib"
     peak_mem = max((m[mem_key] for m in logged if m.get(mem_key) is not None), default=None)

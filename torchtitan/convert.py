@@ -201,6 +201,9 @@ def from_hf(
     source = hf_io.SafetensorsFolder(folder)
     adapter = spec.state_dict_adapter(args)
     assert adapter is not None
+    args = adapter.args_for_weights(source.names())  # modules config.json declares, weights lack
+    adapter = spec.state_dict_adapter(args)
+    assert adapter is not None
     first = adapter.to_hf_one("tok_embeddings.weight", torch.empty(0, device="meta"))[0][0]
     shapes = _model_shapes(spec, args, dtype or source.dtype(first))
     sd = sharded_empty(shapes, mesh)
@@ -278,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             checks.check_from_hf(a)
             path = from_hf(a.hf_folder, a.output, a.model, a.step, a.flavor, dtype, a.verify)
             _say(f"wrote {path}")
-    except ConfigError as e:  # bad input: one line (from rank 0 under torchrun), exit 2
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
+    except ConfigError as e:  # bad input, a config.json key we cannot compute: exit 2
+        if os.environ.get("RANK", "0") == "0":  # one line (rank 0's under torchrun)
+            print(f"config error: {e}", file=sys.stderr)
         return 2
     except CheckpointWriteError as e:  # a full disk or no permission: one line, exit 4
         print(f"error: {e}", file=sys.stderr)

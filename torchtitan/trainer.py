@@ -43,7 +43,7 @@ from torchtitan.guards.spikes import StepGuard
 from torchtitan.lora.qlora import quantize_base
 from torchtitan.loss.chunked import build_chunked_loss
 from torchtitan.microbatch import MicrobatchRunner, ScaledLoss
-from torchtitan.models import MODELS, runtime_args
+from torchtitan.models import MODELS, model_title, runtime_args
 from torchtitan.models.common.args import mtp_overrides
 from torchtitan.models.common.attention import resolve_attn_backend
 from torchtitan.models.common.moe import moe_overrides, set_aux_loss_scale
@@ -51,6 +51,7 @@ from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
 from torchtitan.optim.lr_scheduler import build_lr_scheduler
 from torchtitan.optim.optimizer import build_optimizer
 from torchtitan.plan.auto import check_same_layout
+from torchtitan.plan.lora_memory import training_flops_per_token
 from torchtitan.preflight.validate import pipeline_plan
 from torchtitan.tools import startup
 from torchtitan.tools.fault_injection import parse_faults
@@ -97,7 +98,10 @@ class Trainer:
         self.pp_plan = pipeline_plan(cfg)
         self.pp_stage_ids = self.pp_plan.stage_ids(dims.coordinates()["pp"]) if self.pp_plan else []
         init_logger(prefix=f"[{dims.describe_rank(self.rank)}{self._stages_text()}] ")
-        logger.info(f"{cfg.job.description}: world size {world_size}, device {self.device}, {dims}")
+        logger.info(
+            f"{model_title(cfg)} (job {cfg.job.description!r}): world size {world_size}, "
+            f"device {self.device}, {dims}"
+        )
         if cfg.job.print_config:
             logger.info("resolved config:\n" + to_toml(cfg))
         dist_utils.set_determinism(cfg.debug.seed, cfg.debug.deterministic)
@@ -247,7 +251,7 @@ class Trainer:
         cfg = self.cfg
         peak = peak_flops(self.device, self.param_dtype)
         logger.info(f"peak {self.param_dtype} FLOP/s for MFU: {peak[0] / 1e12:.3f} T ({peak[1]})")
-        flops = self.spec.flops_per_token(self.model_args, cfg.training.seq_len)
+        flops = training_flops_per_token(cfg, self.model_args)  # a frozen base counted as such
         self.metrics, writers = build_metrics(
             cfg, self.parallel_dims, self.pp_plan, self.device, self.rank, flops, peak
         )

@@ -5,6 +5,9 @@ every family; the local tasks and their one-line errors; request sharding."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ from torchtitan.data.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan.eval.harness import make_lm, run_tasks, scores  # noqa: E402
 from torchtitan.eval.loading import build_eval_model, load_weights  # noqa: E402
-from torchtitan.eval.requests import batches, gather, shard  # noqa: E402
+from torchtitan.eval.requests import gather, rank_batches  # noqa: E402
 from torchtitan.eval.tasks import resolve_tasks  # noqa: E402
 from torchtitan.models.common.moe import MoEArgs  # noqa: E402
 from torchtitan.models.qwen3 import QWEN3_FLAVORS  # noqa: E402
@@ -120,15 +123,43 @@ def test_errors_name_the_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 
 def test_shard_batches_and_gather_restore_the_order() -> None:
     items = ["ccc", "a", "bb", "dddd", "ee", "f", "ggg"]
-    shares = [shard(items, len, r, 3) for r in range(3)]
-    assert [x for _, x in shares[0]] == ["dddd", "bb", "f"]  # longest first, dealt round-robin
-    assert sorted(i for s in shares for i, _ in s) == list(range(7))
-    grouped = list(batches(shard(items, len, 0, 1), 3, same_length=len))
+    # Sorted longest first: dddd ccc ggg bb ee a f; batches of 2 cut before they are dealt.
+    shares = [rank_batches(items, len, 2, r, 3) for r in range(3)]
+    assert [[x for _, x in b] for b in shares[0]] == [["dddd", "ccc"], ["f"]]
+    assert [[x for _, x in b] for b in shares[1]] == [["ggg", "bb"]]
+    one = rank_batches(items, len, 2, 0, 1)
+    # Every batch is one of the single rank's: the same rows, hence the same padded width.
+    assert sorted(b for s in shares for b in s) == sorted(one)
+    assert sorted(i for s in shares for b in s for i, _ in b) == list(range(7))
+    grouped = rank_batches(items, len, 3, 0, 1, same_length=len)
     assert [[x for _, x in g] for g in grouped] == [
         ["dddd"],
         ["ccc", "ggg"],
         ["bb", "ee"],
         ["a", "f"],
     ]
-    answers_ = [(i, x.upper()) for s in shares for i, x in s]
+    answers_ = [(i, x.upper()) for s in shares for b in s for i, x in b]
     assert gather(answers_, 7, None, 1) == [x.upper() for x in items]
+
+
+def test_stock_lm_eval_loads_the_shipped_tasks_from_another_cwd(tmp_path: Path) -> None:
+    """lm-eval itself (no torchtitan): its TaskManager over ``tests/assets/eval``, run from an
+    unrelated working directory, loads both tasks' documents (the YAMLs' ``custom_dataset``
+    reads the data files from the YAML's folder; scripts/make_eval_tasks.py)."""
+    include = Path("tests/assets/eval").resolve()
+    code = (
+        "from lm_eval.tasks import TaskManager, get_task_dict\n"
+        f"tm = TaskManager(include_path=[{str(include)!r}])\n"
+        f"tasks = get_task_dict({TASKS!r}, tm)\n"
+        "print(sorted((k, len(list(t.test_docs())), len(list(t.training_docs())))"
+        " for k, t in tasks.items()))\n"
+    )
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "cache")
+    env.pop("PYTHONPATH", None)  # nothing of ours on the path
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    last = run.stdout.strip().splitlines()[-1]
+    assert last == str(sorted((t, 56, 6) for t in TASKS)), last

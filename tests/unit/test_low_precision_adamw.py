@@ -42,6 +42,7 @@ def test_fp32_equals_torch_adamw(decoupled: bool) -> None:
     assert torch.equal(w1, w2)
 
 
+@pytest.mark.smoke
 def test_bf16_moments_halve_state_and_track_fp32() -> None:
     w1, t = _problem()
     w2, _ = _problem()

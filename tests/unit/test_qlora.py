@@ -14,6 +14,7 @@ from torchtitan.lora.apply import apply_lora, init_adapters
 from torchtitan.lora.qlora import nf4_shard_problem, quantize_base
 from torchtitan.models import MODELS
 from torchtitan.plan.tracker import LiveTensorTracker
+from torchtitan.tools.torch_compat import torch_version_tuple
 
 pytest.importorskip("torchao")
 
@@ -90,6 +91,7 @@ def test_qlora_memory_table_and_falling_loss() -> None:
         assert losses[-1] < losses[0] - 0.5, (mode, losses)
 
 
+@pytest.mark.smoke
 def test_nf4_forward_is_close_to_the_bf16_base() -> None:
     torch.manual_seed(0)
     lora, qlora = _build("lora"), _build("qlora")
@@ -110,3 +112,22 @@ def test_nf4_shard_rule() -> None:
         problem is not None and "1 NF4 scale groups" in problem and "2 equal row blocks" in problem
     )
     assert nf4_shard_problem((3, 4), 1) is not None  # 12 values: not whole blocks of 64
+
+
+@pytest.mark.smoke
+def test_nf4_comes_from_the_installed_torchao_and_trains() -> None:
+    """The NF4 module is the one the installed torchao has (0.17 keeps it in ``torchao.dtypes``,
+    0.18 under ``torchao.quantization``: an import of the other path broke QLoRA on the GPU
+    image's torch 2.11 + torchao 0.17); a QLoRA model built through it trains its adapters."""
+    import importlib.metadata
+
+    from torchtitan.tools.torch_compat import _NF4_MODULE_BY_TORCHAO, torchao_nf4
+
+    have = torch_version_tuple(importlib.metadata.version("torchao"))
+    nf4 = torchao_nf4()
+    if have in _NF4_MODULE_BY_TORCHAO:
+        assert nf4.__name__ == _NF4_MODULE_BY_TORCHAO[have]
+    model = _build("qlora")
+    assert type(model.layers["0"].attention.wq.weight).__name__ == "NF4Tensor"
+    losses, _ = _train(model, 3)
+    assert losses[-1] < losses[0] - 0.1, losses

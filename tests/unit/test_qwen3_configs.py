@@ -108,3 +108,18 @@ def test_explain_moe_lines() -> None:
     assert "1,811.9 M expert parameters, 27.00 GiB" in text
     # 4096 tokens x top-8 x 2048 x 2 bytes (bf16) x 7/8 = 112 MiB one way, per layer
     assert "112.0 MiB sent per MoE layer" in text
+
+
+def test_banner_names_the_family_and_flavor_built() -> None:
+    """The debug config (description "Llama 3 debug model") run as Qwen3-30B-A3B: the
+    preflight banner names what is built, the config's description only as the job's label."""
+    from tests.unit.test_big_configs import ROOT
+    from torchtitan.config import parse_args
+    from torchtitan.plan.explain import explain
+
+    path = str(ROOT / "train_configs" / "debug_model.toml")
+    argv = ["--job.config_file", path, "--model.name", "qwen3", "--model.flavor", "30B-A3B"]
+    argv += ["--lora.enable", "--lora.quantize_base", "nf4"]
+    banner = explain(parse_args(argv), 8, device_type="cuda").splitlines()[0]
+    assert banner.startswith("== preflight: qwen3 30B-A3B + LoRA rank 8 on an NF4 base ("), banner
+    assert banner.endswith("; job 'Llama 3 debug model'"), banner

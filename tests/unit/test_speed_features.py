@@ -99,6 +99,7 @@ def test_float8_filter_rules() -> None:
     assert auto(nn.Linear(4096, 14336, device="meta"), "layers.0.feed_forward.w1")
 
 
+@pytest.mark.smoke
 def test_apply_float8_on_meta_keeps_names_and_trains() -> None:
     with torch.device("meta"):
         model = Transformer(ARGS)

@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.data.tokenizer import AnyTokenizer
-from torchtitan.eval.requests import batches, gather, shard
+from torchtitan.eval.requests import gather, rank_batches
 from torchtitan.models.common.kv_cache import KVCache
 
 __all__ = ["TorchTitanLM"]
@@ -125,9 +125,11 @@ class TorchTitanLM(TemplateLM):
     def _loglikelihood_tokens(
         self, requests: list[TokenRequest], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
-        mine = shard(requests, lambda r: len(r[1]) + len(r[2]), self.dp_rank, self.dp_size)
+        mine = rank_batches(
+            requests, lambda r: len(r[1]) + len(r[2]), self.batch_size, self.dp_rank, self.dp_size
+        )
         answers: list[tuple[int, tuple[float, bool]]] = []
-        for group in batches(mine, self.batch_size):
+        for group in mine:
             answers += self._score_batch(group)
         return gather(answers, len(requests), self.dp_group, self.dp_size)
 
@@ -194,9 +196,16 @@ class TorchTitanLM(TemplateLM):
                 )
             ids = self.tok_encode(context)[-room:]
             prompts.append((ids, until, kwargs))
-        mine = shard(prompts, lambda p: len(p[0]), self.dp_rank, self.dp_size)
+        mine = rank_batches(
+            prompts,
+            lambda p: len(p[0]),
+            self.batch_size,
+            self.dp_rank,
+            self.dp_size,
+            same_length=_generation_key,
+        )
         answers: list[tuple[int, str]] = []
-        for group in batches(mine, self.batch_size, same_length=_generation_key):
+        for group in mine:
             answers += self._generate_batch(group)
         return gather(answers, len(requests), self.dp_group, self.dp_size)
 

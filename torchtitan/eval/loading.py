@@ -29,6 +29,7 @@ from torch import nn
 
 from torchtitan.checkpoint import hf_io
 from torchtitan.checkpoint import storage as io
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
@@ -60,11 +61,17 @@ def _load_hf(path: Path) -> tuple[str, Any, dict[str, torch.Tensor]]:
     ones, e.g. a cached RoPE table, are left), in the files' dtype."""
     try:
         family, args = family_for_hf_config(json.loads((path / "config.json").read_text()))
+    except ConfigError:  # a config.json key we cannot compute (docs/hf_io.md): exit 2
+        raise
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
     spec = MODELS[family]
     adapter: Any = spec.state_dict_adapter(args)
     assert adapter is not None
+    fit = getattr(adapter, "args_for_weights", None)  # modules config.json declares that
+    if fit is not None:  # the weights lack (DeepSeek-V3's MTP layers): left out, logged
+        args = fit(hf_io.SafetensorsFolder(path).names())
+        adapter = spec.state_dict_adapter(args)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in spec.build(args).state_dict().items()}
     first = adapter.to_hf_one("tok_embeddings.weight", torch.empty(0, device="meta"))[0][0]

@@ -1,11 +1,11 @@
 """How evaluation requests are ordered, batched and shared among data-parallel ranks.
 
 Every rank receives the whole request list from lm-eval (docs/evaluation.md, "Parallelism").
-:func:`shard` sorts it longest first (one padded length per batch, and the slowest batch first),
-deals the sorted requests round-robin to the data-parallel ranks, and :func:`gather` puts the
-answers back in lm-eval's order on every rank. A request's answer never depends on the batch or
-the rank it landed in beyond floating-point reduction order, so results are the same at any
-data-parallel degree.
+:func:`rank_batches` sorts it longest first (one padded length per batch, and the slowest batch
+first), cuts the sorted list into batches, and deals whole batches round-robin to the
+data-parallel ranks; :func:`gather` puts the answers back in lm-eval's order on every rank.
+Batches are cut before they are dealt, so each batch (its rows, its padded width) is the same at
+any data-parallel degree: a request's answer is bitwise the same on 1 rank or many.
 """
 
 from __future__ import annotations
@@ -17,18 +17,25 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 
-__all__ = ["batches", "gather", "shard"]
+__all__ = ["batches", "gather", "rank_batches"]
 
 
-def shard(
-    items: Sequence[T], length: Callable[[T], int], rank: int, world: int
-) -> list[tuple[int, T]]:
-    """This rank's share of ``items`` as ``(original index, item)``, longest first.
+def rank_batches(
+    items: Sequence[T],
+    length: Callable[[T], int],
+    size: int,
+    rank: int,
+    world: int,
+    same_length: Callable[[T], object] | None = None,
+) -> list[list[tuple[int, T]]]:
+    """This rank's batches of ``items``, each a list of ``(original index, item)``.
 
     Sorting is by descending ``length`` then original index (stable and the same on every rank);
-    rank ``r`` takes sorted positions ``r, r + world, ...`` so every rank gets lengths alike."""
+    the sorted list is cut by :func:`batches` and rank ``r`` takes batches ``r, r + world, ...``
+    (every rank gets lengths alike, the longest first)."""
     order = sorted(range(len(items)), key=lambda i: (-length(items[i]), i))
-    return [(i, items[i]) for i in order[rank::world]]
+    every = list(batches([(i, items[i]) for i in order], size, same_length))
+    return every[rank::world]
 
 
 def batches(

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from torchtitan.models.common.moe_experts import StackedExperts, expert_matmul, local_weight
+from torchtitan.tools.torch_compat import torchao_nf4
 
 __all__ = [
     "ADAPTER_PREFIX",
@@ -51,9 +52,7 @@ def _dropout(p: float) -> nn.Module:
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for a plain weight or a torchao NF4 one (QLoRA: dequantized per call)."""
     if type(w).__name__ == "NF4Tensor" or type(getattr(w, "data", None)).__name__ == "NF4Tensor":
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
-
-        return linear_nf4(x, w)
+        return torchao_nf4().linear_nf4(x, w)
     return F.linear(x, w)
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from torchtitan.lora.layers import LoRALinear
+from torchtitan.tools.torch_compat import torchao_nf4
 
 __all__ = ["nf4_problem", "nf4_shard_problem", "quantize_base"]
 
@@ -102,7 +103,7 @@ def quantize_base(parts: list[nn.Module], dtype: torch.dtype = torch.bfloat16) -
     returns (bytes before, bytes after) of those weights on this rank. An FSDP-sharded weight
     is gathered and quantized whole, then each rank keeps its row block (the same codes and
     scales as one process) and FSDP gathers the NF4 pieces (torchao's all-gather extension)."""
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    to_nf4 = torchao_nf4().to_nf4
 
     fsdp = _fsdp_params(parts)
     before = after = 0

@@ -29,7 +29,7 @@ from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.plan.estimator import block_params, param_dtype_bytes
 from torchtitan.plan.layout import Hardware, Layout
 from torchtitan.plan.levers import chunked_loss_seconds, offload_seconds
-from torchtitan.plan.lora_memory import lora_shares
+from torchtitan.plan.lora_memory import lora_shares, training_flops_per_token
 from torchtitan.plan.moe_plan import (
     active_block_params,
     expert_params,
@@ -89,11 +89,9 @@ def step_time(
     all_blocks = a.n_layers * active_block_params(a, block_params(a))
     block_flops_fwd_token = 2 * all_blocks + 4 * a.n_layers * a.n_heads * a.head_dim * seq
     peak = hw.peak_tflops * 1e12 * hw.mfu
-    compute = tokens_device * MODELS[cfg.model.name].flops_per_token(a, seq) / peak
+    # The model's matmuls, a frozen base's missing weight gradients included (plan/lora_memory.py)
+    compute = tokens_device * training_flops_per_token(layout.apply(cfg), a) / peak
     lora = lora_shares(layout.apply(cfg), a)  # adapters: plan/lora_memory.py
-    if lora is not None:
-        frozen = a.num_params(exclude_embedding=True, active=True)  # type: ignore[attr-defined]
-        compute += tokens_device * lora.flops_delta_per_token(frozen) / peak
     recompute = (
         tokens_device
         * block_flops_fwd_token

@@ -16,7 +16,7 @@ import torch
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import AXES, ParallelDims
 from torchtitan.distributed.utils import device_type as detect_device_type
-from torchtitan.models import MODELS
+from torchtitan.models import MODELS, model_title
 from torchtitan.models.common.attention import resolve_attn_backend
 from torchtitan.plan.estimator import (
     GIB,
@@ -87,8 +87,9 @@ def explain(
     add = lines.append
 
     add(
-        f"== preflight: {cfg.job.description} ({cfg.model.name} {cfg.model.flavor}, "
+        f"== preflight: {model_title(cfg)} ("
         f"{MODELS[cfg.model.name].num_params(args) / 1e6:,.1f} M parameters, vocab {args.vocab_size})"
+        f"; job {cfg.job.description!r}"
     )
     add(f"world size {world_size} on {device_type}; mesh (outermost to innermost):")
     stride = world_size

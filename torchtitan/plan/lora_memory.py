@@ -17,6 +17,7 @@ the adapted weights as of all parameters (FSDP, TP and PP split them alike, to w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,7 +26,15 @@ from torchtitan.lora.apply import apply_lora, with_targets
 from torchtitan.lora.layers import is_adapter_name
 from torchtitan.models import MODELS
 
-__all__ = ["DEQUANT_BYTES", "NF4_BYTES", "LoraCounts", "LoraShares", "lora_counts", "lora_shares"]
+__all__ = [
+    "DEQUANT_BYTES",
+    "NF4_BYTES",
+    "LoraCounts",
+    "LoraShares",
+    "lora_counts",
+    "lora_shares",
+    "training_flops_per_token",
+]
 
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """Bytes per NF4 element: a 4-bit code, one 8-bit scale per 64 values, one fp32 per 256 scales."""
@@ -51,7 +60,7 @@ _CACHE: dict[tuple, LoraCounts] = {}
 
 def lora_counts(model_name: str, args: object, lora: Lora) -> LoraCounts:
     """The counts for ``args`` (a flavor's shape) with ``lora``'s targets and rank (cached)."""
-    lora = with_targets(lora, MODELS[model_name])
+    lora = with_targets(lora, MODELS[model_name], args)
     key = (model_name, repr(args), tuple(lora.target_modules), lora.rank)
     if key not in _CACHE:
         _CACHE[key] = _counts(model_name, args, lora)
@@ -110,3 +119,22 @@ def lora_shares(cfg: JobConfig, args: object) -> LoraShares | None:
         return None
     counts = lora_counts(cfg.model.name, args, cfg.lora)
     return LoraShares(counts, cfg.lora.quantize_base == "nf4")
+
+
+def training_flops_per_token(cfg: JobConfig, args: Any) -> int:
+    """FLOPs one trained token costs, forward and backward, for ``cfg``'s model and adapters: the
+    one count behind MFU in the log and the JSONL, ``benchmarks/throughput.py`` and the planner's
+    step time (docs/observability.md, "What MFU counts").
+
+    The family gives the full-training count (``ModelSpec.flops_per_token``: ``6 N`` for the
+    active matmul parameters, plus attention, plus its MTP modules where it has them). A frozen
+    base computes no weight gradients: ``6 N`` becomes ``4 N``, and the adapters add their own
+    ``6 n``. Work that is not a model matmul is left out, as MFU conventionally does: QLoRA's
+    dequantization, the optimizer (AdamW, Muon's Newton-Schulz) and activation recompute lower
+    MFU instead of adding to its numerator."""
+    flops = MODELS[cfg.model.name].flops_per_token(args, cfg.training.seq_len)
+    lora = lora_shares(cfg, args)
+    if lora is None:
+        return int(flops)
+    frozen = args.num_params(exclude_embedding=True, active=True)
+    return int(flops + lora.flops_delta_per_token(frozen))

@@ -83,7 +83,8 @@ def check_from_hf(a: argparse.Namespace) -> None:
         raise ConfigError("--model", a.model, rule, f"use --model {family}")
     if a.flavor is not None:
         check_flavor(args, MODELS[a.model], a.flavor, folder)
-    check_hf_model(folder, "hf_folder", family, args, f"its config.json's {family} model")
+    what = f"its config.json's {family} model"
+    check_hf_model(folder, "hf_folder", family, args, what, fit=True)
     step = io.step_dir(a.output, a.step)
     if step.exists():
         rule = f"{step} exists: converting would replace it"

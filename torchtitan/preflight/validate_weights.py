@@ -93,14 +93,21 @@ def meta_shapes(family: str, args: Any, field: str, value: Any, source: str) -> 
         raise ConfigError(field, value, rule, "fix the config's sizes") from None
 
 
-def check_hf_model(folder: Path, field: str, family: str, args: Any, what: str) -> None:
-    """Every tensor ``family`` built with ``args`` reads is in ``folder`` with its shape."""
+def check_hf_model(
+    folder: Path, field: str, family: str, args: Any, what: str, fit: bool = False
+) -> None:
+    """Every tensor ``family`` built with ``args`` reads is in ``folder`` with its shape
+    (``fit``: with the args the importers take for those weights, ``args_for_weights``:
+    DeepSeek-V3's MTP layers a config.json declares and the weights lack are left out)."""
     value = str(folder)
-    adapter = MODELS[family].state_dict_adapter(args)
+    adapter: Any = MODELS[family].state_dict_adapter(args)
     if adapter is None:
         raise ConfigError(field, value, f"{family} has no Hugging Face format", _HF_FIX)
-    ours = meta_shapes(family, args, field, value, what)
     found = safetensors_shapes(folder, field, value, _HF_FIX)
+    if fit and hasattr(adapter, "args_for_weights"):
+        args = adapter.args_for_weights(list(found))
+        adapter = MODELS[family].state_dict_adapter(args)
+    ours = meta_shapes(family, args, field, value, what)
     try:
         expected = expected_hf_shapes(adapter, ours)
     except Exception as e:  # noqa: BLE001 - a layout the family's transforms cannot express
@@ -220,7 +227,7 @@ def validate_eval_checkpoint(cfg: JobConfig, path: Path) -> None:
         raise ConfigError(field, value, "does not exist", fix)
     if (path / "config.json").is_file():
         family, args = hf_family(path, field)
-        check_hf_model(path, field, family, args, f"its config.json's {family} model")
+        check_hf_model(path, field, family, args, f"its config.json's {family} model", fit=True)
         return
     steps = io.complete_steps(path) if not (path / ".metadata").is_file() else []
     if steps:  # a checkpoint root: its newest valid step (what evaluate() picks)

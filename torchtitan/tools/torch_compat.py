@@ -39,6 +39,7 @@ __all__ = [
     "require",
     "single_process_dcp",
     "torch_version_tuple",
+    "torchao_nf4",
     "torchao_unusable_reason",
 ]
 
@@ -155,6 +156,37 @@ def torchao_unusable_reason() -> str | None:
             f"{want} (pip install 'torchao=={want}.*')"
         )
     return None
+
+
+# ---- torchao NF4 (QLoRA): the module holding ``NF4Tensor``, ``to_nf4`` and ``linear_nf4`` moved.
+# torchao 0.17 (torch 2.11/2.12): ``torchao.dtypes.nf4tensor``; 0.18 (torch 2.13-2.15):
+# ``torchao.quantization.quantize_.workflows.nf4.nf4_tensor`` (0.18 has no ``dtypes.nf4tensor``,
+# 0.17 no ``quantize_.workflows.nf4``: no single path serves both). Picked by the installed
+# torchao's version, imported on first use (this module never imports torchao at import time).
+_NF4_MODULE_BY_TORCHAO = {
+    (0, 17): "torchao.dtypes.nf4tensor",
+    (0, 18): "torchao.quantization.quantize_.workflows.nf4.nf4_tensor",
+}
+
+
+def torchao_nf4() -> Any:
+    """torchao's NF4 module for the installed torchao (``to_nf4``, ``linear_nf4``, ``NF4Tensor``).
+    A torchao outside the table tries the newest layout first, then the older one."""
+    import importlib
+
+    try:
+        have = torch_version_tuple(importlib.metadata.version("torchao"))
+    except importlib.metadata.PackageNotFoundError:
+        have = None
+    known = _NF4_MODULE_BY_TORCHAO.get(have) if have is not None else None
+    candidates = [known] if known else sorted(_NF4_MODULE_BY_TORCHAO.values(), reverse=True)
+    errors = []
+    for name in candidates:
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+    raise ImportError("torchao's NF4 tensor is not importable (" + "; ".join(errors) + ")")
 
 
 # DCP's ``save``/``load`` warn "torch.distributed is disabled, unavailable or uninitialized,
