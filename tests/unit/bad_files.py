@@ -129,10 +129,10 @@ CASES: list[tuple[str, str, list[str], str]] = [
      "adapter_model.safetensors does not exist"),
     ("peft-damaged", "train", [*LORA, "{d}/peft_damaged"], "is not a readable safetensors"),
     ("peft-rank", "train", [*LORA, "{d}/peft_rank4"],
-     "has r = 4, the run's lora.rank = 8. Fix: set --lora.rank 4"),
-    ("peft-weights-rank", "train", [*LORA, "{d}/peft_weights_rank"], "not rank 8 (lora.rank)"),
+     "r=4, lora_alpha=16, use_rslora=False, but [lora] has rank=8"),
+    ("peft-weights-rank", "train", [*LORA, "{d}/peft_weights_rank"], "not rank 8 (its r)"),
     ("peft-not-lora", "train", [*LORA, "{d}/peft_ia3"], "has peft_type 'IA3', not LORA"),
-    ("peft-r-text", "train", [*LORA, "{d}/peft_r_text"], "has r = 'eight', not a int"),
+    ("peft-r-text", "train", [*LORA, "{d}/peft_r_text"], "has r = 'eight', not a int > 0"),
 ]  # fmt: skip
 
 
@@ -196,6 +196,7 @@ def make_weight_folders(d: Path) -> None:
     (d / "empty").mkdir()
     (d / "a_file").write_text("a file\n")
     config = json.loads((d / "hf" / "config.json").read_text())
+    wide = {**config, "head_dim": 2 * config["head_dim"]} if "head_dim" in config else config
     shard = next((d / "hf").glob("*.safetensors"))
     for name, cfg_text, weights in (
         ("hf_trunc", None, shard.read_bytes()[: shard.stat().st_size // 2]),
@@ -206,7 +207,7 @@ def make_weight_folders(d: Path) -> None:
         ("hf_badvalue", json.dumps({**config, "hidden_size": "wide"}), None),
         ("hf_nolayers", json.dumps({**config, "num_hidden_layers": -2}), None),
         ("hf_vocab", json.dumps({**config, "vocab_size": 4096}), None),
-        ("hf_wide", json.dumps({**config, "hidden_size": 512, "intermediate_size": 1536}), None),
+        ("hf_wide", json.dumps({**wide, "hidden_size": 512, "intermediate_size": 1536}), None),
     ):
         shutil.copytree(d / "hf", d / name)
         if weights is not None:

@@ -15,7 +15,7 @@ from torchtitan.data.builder import DATASET_KINDS
 from torchtitan.data.checks import check_files
 from torchtitan.data.sources import Fields, local_source
 from torchtitan.data.tokenizer import _TRAIN_HINT, build_tokenizer
-from torchtitan.preflight.validate_weights import validate_initial_load, validate_peft_folder
+from torchtitan.preflight.validate_weights import validate_initial_load
 
 
 def validate_paths(cfg: JobConfig) -> None:
@@ -49,8 +49,7 @@ def validate_paths(cfg: JobConfig) -> None:
                 "use one of those steps, or -1 for the newest valid one",
             )
     # the weights a run starts from, against the run's model (validate_weights.py)
-    validate_initial_load(cfg)
-    validate_peft_folder(cfg)
+    validate_initial_load(cfg)  # lora.adapter_path's files: validate_lora
 
 
 def validate_dump_folder(

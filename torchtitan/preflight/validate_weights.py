@@ -37,6 +37,7 @@ __all__ = [
     "hf_family",
     "meta_shapes",
     "validate_eval_checkpoint",
+    "validate_hf_family",
     "validate_initial_load",
     "validate_peft_folder",
 ]
@@ -60,6 +61,9 @@ def hf_family(folder: Path, field: str) -> tuple[str, Any]:
         raise ConfigError(field, value, rule, "use a model of one of those families")
     try:
         family, args = family_for_hf_config(config)
+    except ConfigError as e:  # a key the family's table refuses (models/<family>/hf_keys.py)
+        rule = f"{folder}/{e.field}" + ("" if e.value is None else f" = {e.value!r}")
+        raise ConfigError(field, value, f"{rule}: {e.rule}", e.fix) from None
     except KeyError as e:
         rule = f"{folder}/config.json lacks the key {e.args[0]!r} a {known[model_type]} model needs"
         raise ConfigError(field, value, rule, _HF_FIX) from None
@@ -171,9 +175,6 @@ def _compare_configs(folder: Path, family: str, theirs: Any, cfg: JobConfig) -> 
     the family's config translation (the context length excepted: the run sets its own)."""
     field, value = "checkpoint.initial_load_path", str(folder)
     name = cfg.model.name
-    if family != name:
-        rule = f"{folder}/config.json describes a {family} model, the run trains {name}"
-        raise ConfigError(field, value, rule, f"use --model.name {family}, or a {name} folder")
     hf = MODELS[name].hf  # type: ignore[attr-defined]
     ours_args = _run_args(cfg)
     mine, there = hf.config.to_hf(ours_args), hf.config.to_hf(theirs)
@@ -193,6 +194,20 @@ def _compare_configs(folder: Path, family: str, theirs: Any, cfg: JobConfig) -> 
         raise ConfigError(field, value, rule, fix)
 
 
+def validate_hf_family(cfg: JobConfig) -> None:
+    """With ``initial_load_in_hf``: the folder's ``config.json`` is readable and describes a
+    model of the run's family (before the flavor's fields are compared with it)."""
+    ck = cfg.checkpoint
+    if not (ck.initial_load_in_hf and ck.initial_load_path) or cfg.model.name not in MODELS:
+        return
+    path, field = Path(ck.initial_load_path), "checkpoint.initial_load_path"
+    family, _ = hf_family(path, field)
+    name = cfg.model.name
+    if family != name:
+        rule = f"{path}/config.json describes a {family} model, the run trains {name}"
+        raise ConfigError(field, str(path), rule, f"use --model.name {family}, or a {name} folder")
+
+
 def validate_initial_load(cfg: JobConfig) -> None:
     """``checkpoint.initial_load_path``: a Hugging Face folder of the run's model (with
     ``initial_load_in_hf``), else one intact DCP step folder of the run's model."""
@@ -201,6 +216,7 @@ def validate_initial_load(cfg: JobConfig) -> None:
         return
     path, field = Path(ck.initial_load_path), "checkpoint.initial_load_path"
     if ck.initial_load_in_hf:
+        validate_hf_family(cfg)
         family, theirs = hf_family(path, field)
         _compare_configs(path, family, theirs, cfg)
         check_hf_model(path, field, family, _run_args(cfg), f"the run's model ({family})")
@@ -246,9 +262,10 @@ def validate_eval_checkpoint(cfg: JobConfig, path: Path) -> None:
 
 
 def validate_peft_folder(cfg: JobConfig) -> None:
-    """``lora.adapter_path``: ``adapter_config.json`` is a LoRA config of the run's rank,
-    alpha and rslora, and ``adapter_model.safetensors`` is intact (which modules it targets
-    is checked when it is loaded)."""
+    """``lora.adapter_path``'s files: ``adapter_config.json`` a LoRA config whose ``r``,
+    ``lora_alpha`` and ``use_rslora`` are numbers (a flag), ``adapter_model.safetensors`` intact,
+    each ``lora_A`` of rank ``r``. Whether they are the adapters ``[lora]`` builds, at its rank,
+    is ``lora/peft_io.py: check_adapters`` (called after this, from ``validate_lora``)."""
     lo = cfg.lora
     if not (lo.enable and lo.adapter_path):
         return
@@ -258,32 +275,23 @@ def validate_peft_folder(cfg: JobConfig) -> None:
     if config.get("peft_type") != "LORA":
         rule = f"{folder}/adapter_config.json has peft_type {config.get('peft_type')!r}, not LORA"
         raise ConfigError(field, lo.adapter_path, rule, fix)
-    theirs: dict[str, Any] = {}
     for key, kind in (("r", int), ("lora_alpha", float), ("use_rslora", bool)):
         got: Any = config.get(key, False if key == "use_rslora" else None)
         if kind is bool:
             ok = isinstance(got, bool)
-        else:  # a number (r: a whole one), finite
+        else:  # a number (r: a whole one >= 1), finite
             ok = isinstance(got, (int, float)) and not isinstance(got, bool)
-            ok = ok and math.isfinite(got) and (kind is float or float(got).is_integer())
+            ok = ok and math.isfinite(got) and got > 0
+            ok = ok and (kind is float or float(got).is_integer())
         if not ok:
             rule = f"{folder}/adapter_config.json has {key} = {got!r}, not a {kind.__name__}"
+            rule += " > 0" if kind is not bool else ""
             raise ConfigError(field, lo.adapter_path, rule, fix)
-        theirs[key] = kind(got)
-    ours = {"r": lo.rank, "lora_alpha": float(lo.alpha), "use_rslora": lo.use_rslora}
-    for key, mine in ours.items():
-        if theirs[key] != mine:
-            section = {"r": "rank", "lora_alpha": "alpha", "use_rslora": "use_rslora"}[key]
-            rule = (
-                f"{folder}/adapter_config.json has {key} = {theirs[key]!r}, the run's "
-                f"lora.{section} = {mine!r}"
-            )
-            fix2 = f"set --lora.{section} {theirs[key]} to continue these adapters"
-            raise ConfigError(field, lo.adapter_path, rule, fix2)
     weights = folder / "adapter_model.safetensors"
     if not weights.is_file():
         raise ConfigError(field, lo.adapter_path, f"{weights} does not exist", fix)
+    r = int(config["r"])
     for name, shape in safetensors_shapes(folder, field, lo.adapter_path, fix).items():
-        if ".lora_A." in name and (len(shape) != 2 or shape[0] != lo.rank):
-            rule = f"{weights}: {name} has shape {list(shape)}, not rank {lo.rank} (lora.rank)"
+        if ".lora_A." in name and (len(shape) != 2 or shape[0] != r):
+            rule = f"{weights}: {name} has shape {list(shape)}, not rank {r} (its r)"
             raise ConfigError(field, lo.adapter_path, rule, fix)
