@@ -354,7 +354,7 @@ COMMANDS: dict[str, Mode] = {
     ),
     "WORLD_SIZE=8 python -m torchtitan.train --job.config_file train_configs/debug_model.toml "
     "--job.explain --parallelism.pipeline_parallel_degree 2 --parallelism.tensor_parallel_degree 2 "
-    "--training.global_batch_size 32": Fast(0, "== preflight: Llama 3 debug model"),
+    "--training.global_batch_size 32": Fast(0, "== preflight: llama3 debugmodel"),
     # the shipped configs' "check the layout without GPUs" lines (no --job.fit_check off needed)
     "python -m torchtitan.config --job.config_file train_configs/deepseek_v3_16b.toml "
     "--world_size 8": Fast(),
