@@ -210,6 +210,7 @@ def peft_case(work: Path, sources: Path, case: tuple[str, bytes]) -> None:
     shutil.copytree(sources / "peft", folder)
     (folder / case[0]).write_bytes(case[1])
     argv = [*TRAIN, "--job.dump_folder", str(work / "run"), "--lora.enable"]
+    argv += ["--lora.adapter_targets", "from_adapter"]  # the folder's one adapted module
     try:
         load_config([*argv, "--lora.adapter_path", str(folder)], world_size=1)
         OUTCOMES["train preflight passed"] += 1
