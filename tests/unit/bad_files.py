@@ -34,6 +34,8 @@ CASES: list[tuple[str, str, list[str], str]] = [
     ("to-hf-empty", "convert", ["to-hf", "{d}/empty", "{d}/o1"], "holds no .metadata"),
     ("to-hf-peft", "convert", ["to-hf", "{d}/peft_rank4", "{d}/o1"], "is a PEFT adapter folder"),
     ("to-hf-damaged", "convert", ["to-hf", "{d}/ck_damaged/step-1", "{d}/o1"], "is damaged"),
+    ("to-hf-manifest", "convert", ["to-hf", "{d}/ck_manifest/step-1", "{d}/o1"],
+     "is damaged: unreadable manifest (its files are not {name: {size, sha256}})"),
     ("to-hf-out-file", "convert", ["to-hf", "{d}/ck/step-1", "{d}/a_file"], "is a file"),
     ("to-hf-out-taken", "convert", ["to-hf", "{d}/ck/step-1", "{d}/hf"], "already holds"),
     ("to-hf-shard-neg", "convert", ["to-hf", "{d}/ck/step-1", "{d}/o1", "--max-shard-gb", "-1"],
@@ -188,6 +190,9 @@ def make_weight_folders(d: Path) -> None:
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     data.write_bytes(bytes(raw))
+    shutil.copytree(d / "ck", d / "ck_manifest")
+    manifest = d / "ck_manifest" / "step-1" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"sha256"', '"rha256"', 1))
     qargs, qsd = _weights("qwen3")
     convert.to_hf(_write_dcp(d / "qwen_ck", qsd), d / "hf_qwen", "qwen3", qargs, None)
     lora = {"layers.0.attention.wq.lora_A": torch.zeros(8, 256)}
