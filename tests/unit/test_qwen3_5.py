@@ -1,0 +1,279 @@
+"""Qwen3.5 (dense and MoE): the delta-rule kernels against the definition, document masking,
+published sizes, and one forward + backward equal to transformers' ``Qwen3_5ForCausalLM`` /
+``Qwen3_5MoeForCausalLM`` through the state-dict adapter (fp32: logits and every gradient within
+1e-5 relative), import and export both ways."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests import hf_parity
+from torchtitan.models import MODELS
+from torchtitan.models.common.moe import MoE, MoEArgs
+from torchtitan.models.qwen3_5 import QWEN35_FLAVORS, Qwen35Args, Qwen35Transformer
+from torchtitan.models.qwen3_5.delta_rule import chunked_delta_rule, recurrent_delta_rule
+from torchtitan.models.qwen3_5.hf import GroupedQKV
+
+DENSE = Qwen35Args(
+    dim=64,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    vocab_size=256,
+    max_seq_len=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+    partial_rotary_factor=0.5,
+    tie_word_embeddings=True,
+)
+MOE = dataclasses.replace(
+    DENSE,
+    n_layers=2,
+    layer_types=("linear_attention", "full_attention"),
+    tie_word_embeddings=False,
+    moe=MoEArgs(num_experts=8, top_k=2, expert_dim=32),
+    shared_expert_dim=48,
+)
+
+
+def _inputs(b: int = 2, s: int = 21, h: int = 3, dk: int = 8, dv: int = 6) -> tuple[Any, ...]:
+    gen = torch.Generator().manual_seed(0)
+    q = F.normalize(torch.randn(b, s, h, dk, generator=gen), dim=-1) * dk**-0.5
+    k = F.normalize(torch.randn(b, s, h, dk, generator=gen), dim=-1)
+    v = torch.randn(b, s, h, dv, generator=gen)
+    g = -2 * torch.rand(b, s, h, generator=gen)
+    beta = torch.rand(b, s, h, generator=gen)
+    return q, k, v, g, beta
+
+
+DOCS = torch.tensor([[0] * 5 + [1] * 9 + [2] * 7, [0] * 21])
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 64])
+@pytest.mark.parametrize("docs", [None, DOCS], ids=["causal", "documents"])
+def test_chunked_equals_recurrent(chunk: int, docs: torch.Tensor | None) -> None:
+    """The chunked form (chunk boundaries inside and between documents) equals the definition,
+    forward and every input's gradient (fp32)."""
+    inputs = [t.clone().requires_grad_() for t in _inputs()]
+    ref = recurrent_delta_rule(*inputs, doc_ids=docs)
+    ref_grads = torch.autograd.grad(ref.square().sum(), inputs)
+    out = chunked_delta_rule(*inputs, doc_ids=docs, chunk_size=chunk)
+    grads = torch.autograd.grad(out.square().sum(), inputs)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_chunked_form_equals_ours() -> None:
+    """transformers' own chunked delta rule (the reference model's) agrees with the definition
+    here, so the two sides compute the same rule."""
+    mod = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+    q, k, v, g, beta = _inputs()
+    theirs, _ = mod.torch_chunk_gated_delta_rule(q * 8**0.5, k, v, g, beta, chunk_size=4)
+    torch.testing.assert_close(recurrent_delta_rule(q, k, v, g, beta), theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_documents_never_share_state() -> None:
+    """With document ids, each packed document's output is what it gives alone."""
+    q, k, v, g, beta = _inputs()
+    packed = chunked_delta_rule(q, k, v, g, beta, doc_ids=DOCS, chunk_size=4)
+    for start, stop in ((0, 5), (5, 14), (14, 21)):
+        part = [t[:1, start:stop] for t in (q, k, v, g, beta)]
+        alone = recurrent_delta_rule(*part)
+        torch.testing.assert_close(packed[:1, start:stop], alone, rtol=1e-5, atol=1e-6)
+    leaky = chunked_delta_rule(q, k, v, g, beta, chunk_size=4)  # without the ids: they mix
+    assert (leaky[:1, 5:14] - packed[:1, 5:14]).abs().max() > 1e-3
+
+
+def test_model_documents_equal_separate_sequences() -> None:
+    """The whole model (convolution and recurrence reset, block-causal attention) on two packed
+    documents gives each document's logits alone."""
+    model = _model(DENSE, 1)
+    tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    doc_ids = torch.tensor([[0] * 8 + [1] * 12])
+    from torchtitan.models.common.attention import document_positions
+
+    with torch.no_grad():
+        packed = model(tokens, positions=document_positions(doc_ids)[0], doc_ids=doc_ids)
+        first, second = model(tokens[:, :8]), model(tokens[:, 8:])
+    torch.testing.assert_close(packed, torch.cat([first, second], dim=1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("flavor", "total", "active"),
+    [
+        ("0.8B", 0.752, 0.752),
+        ("9B", 8.954, 8.954),
+        ("27B", 26.896, 26.896),
+        ("35B-A3B", 34.661, 3.455),
+        ("397B-A17B", 396.346, 17.349),
+    ],
+)
+def test_published_sizes(flavor: str, total: float, active: float) -> None:
+    args = QWEN35_FLAVORS[flavor]
+    assert args.num_params() / 1e9 == pytest.approx(total, abs=0.001)
+    assert args.num_params(active=True) / 1e9 == pytest.approx(active, abs=0.001)
+    assert args.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
+def test_num_params_equals_built_module(flavor: str) -> None:
+    args = QWEN35_FLAVORS[flavor]
+    with torch.device("meta"):
+        model = MODELS["qwen3_5"].build(args)
+    assert sum(p.numel() for p in model.parameters()) == MODELS["qwen3_5"].num_params(args)
+    kinds = {type(b.linear_attn or b.attention).__name__ for b in model.layers.values()}
+    assert kinds == {"GatedDeltaNet", "GatedAttention"}
+
+
+def test_grouped_qkv_permutation_round_trips_and_streams() -> None:
+    """HF [Q | K | V] rows <-> ours grouped by key head, and any row box read alone."""
+    t = GroupedQKV()
+    w = torch.randn(DENSE.conv_dim, 5)
+    hf = t.to_hf(w, DENSE)
+    assert torch.equal(t.from_hf(hf, DENSE), w)
+    nk, dk = DENSE.linear_num_key_heads, DENSE.linear_key_head_dim
+    assert torch.equal(hf[:dk], w[:dk])  # key head 0's q rows lead both layouts
+    assert torch.equal(hf[nk * dk : nk * dk + dk], w[dk : 2 * dk])  # its k rows
+    for a, b in ((0, w.shape[0]), (3, 17), (10, 41), (w.shape[0] - 5, w.shape[0])):
+        box = (slice(a, b), slice(1, 4))
+        got = t.from_hf_box(lambda bx: hf[bx], box, tuple(w.shape), DENSE)
+        assert torch.equal(got, w[box])
+    conv = GroupedQKV(conv=True)
+    cw = torch.randn(DENSE.conv_dim, 4)
+    assert conv.to_hf(cw, DENSE).shape == (DENSE.conv_dim, 1, 4)
+    assert torch.equal(conv.from_hf(conv.to_hf(cw, DENSE), DENSE), cw)
+    got = conv.from_hf_box(
+        lambda bx: conv.to_hf(cw, DENSE)[bx],
+        (slice(5, 30), slice(0, 4)),
+        (DENSE.conv_dim, 4),
+        DENSE,
+    )
+    assert torch.equal(got, cw[5:30])
+
+
+def _model(args: Qwen35Args, seed: int) -> Qwen35Transformer:
+    model = Qwen35Transformer(args)
+    model.init_weights(seed=seed)
+    with torch.no_grad():  # non-trivial norms, decays and gates: a wrong mapping would show
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if p.dim() == 1 or "conv" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _hf_model(args: Qwen35Args) -> Any:
+    transformers = pytest.importorskip("transformers")
+    common = dict(
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        layer_types=list(args.layer_types),
+        linear_num_key_heads=args.linear_num_key_heads,
+        linear_num_value_heads=args.linear_num_value_heads,
+        linear_key_head_dim=args.linear_key_head_dim,
+        linear_value_head_dim=args.linear_value_head_dim,
+        max_position_embeddings=args.max_seq_len,
+        tie_word_embeddings=args.tie_word_embeddings,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": args.rope_theta,
+            "partial_rotary_factor": args.partial_rotary_factor,
+        },
+    )
+    torch.manual_seed(5)
+    if args.moe is None:
+        config = transformers.Qwen3_5TextConfig(intermediate_size=args.intermediate_size, **common)
+        model = transformers.Qwen3_5ForCausalLM(config)
+    else:
+        config = transformers.Qwen3_5MoeTextConfig(
+            num_experts=args.moe.num_experts,
+            num_experts_per_tok=args.moe.top_k,
+            moe_intermediate_size=args.moe.expert_dim,
+            shared_expert_intermediate_size=args.shared_expert_dim,
+            **common,
+        )
+        model = transformers.Qwen3_5MoeForCausalLM(config)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(6)
+        for name, p in model.named_parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+            if name.endswith("A_log"):  # slow decays: the state carries over many tokens
+                p.copy_(torch.empty(p.shape).uniform_(0.05, 1.0, generator=gen).log())
+    return model.float()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def _forward_backward(ours: torch.nn.Module, hf: Any, adapter: Any) -> tuple[float, float]:
+    """Max relative difference of the logits and of every gradient (HF's mapped to our names;
+    the auxiliary loss off, transformers adds it only with labels)."""
+    for m in ours.modules():
+        if isinstance(m, MoE):
+            m.args = dataclasses.replace(m.args, aux_loss_coef=0.0)
+    tokens = hf_parity.tokens()[:, :24]
+    ours_logits = ours(tokens)
+    hf_logits = hf(tokens).logits
+    ours_logits.square().mean().backward()
+    hf_logits.square().mean().backward()
+    hf_grads = adapter.from_hf({n: p.grad for n, p in hf.named_parameters()})
+    worst = 0.0
+    for name, p in ours.named_parameters():
+        if name == "output.weight" and p is ours.tok_embeddings.weight:
+            continue  # tied: the embedding's gradient holds both
+        worst = max(worst, _rel(p.grad, hf_grads[name]))
+    return _rel(ours_logits, hf_logits), worst
+
+
+@pytest.mark.parametrize("args", [DENSE, MOE], ids=["dense", "moe"])
+def test_import_from_transformers_forward_backward(args: Qwen35Args, tmp_path: Path) -> None:
+    """A transformers model saved and read back (config.json -> our args, weights through the
+    adapter): logits and every gradient within 1e-5 relative (fp32)."""
+    hf = _hf_model(args)
+    hf_args, ours, _ = hf_parity.import_hf(hf, tmp_path)
+    assert hf_args.layer_types == args.layer_types
+    assert hf_args.moe == (
+        None if args.moe is None else dataclasses.replace(args.moe, aux_loss_coef=0.001)
+    )
+    ours = ours.float()
+    hf.train()
+    logits, grads = _forward_backward(ours, hf, MODELS["qwen3_5"].state_dict_adapter(hf_args))
+    assert logits <= 1e-5, logits
+    assert grads <= 1e-5, grads
+
+
+@pytest.mark.parametrize("args", [DENSE, MOE], ids=["dense", "moe"])
+def test_export_to_transformers(args: Qwen35Args, tmp_path: Path) -> None:
+    """Ours written as a Hugging Face folder is read by transformers with the same logits, and
+    the export round-trips bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    model = _model(args, 2)
+    adapter = MODELS["qwen3_5"].state_dict_adapter(args)
+    cls = (
+        transformers.Qwen3_5ForCausalLM if args.moe is None else transformers.Qwen3_5MoeForCausalLM
+    )
+    diff = hf_parity.export_logit_diff(model, adapter, cls, tmp_path)
+    assert diff <= 1e-5, diff
+    sd = dict(model.state_dict())
+    back = adapter.from_hf(adapter.to_hf(sd))
+    assert all(torch.equal(back[k], v) for k, v in sd.items())
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["layer_types"] == list(args.layer_types)

@@ -1,0 +1,228 @@
+"""Qwen3.5 model arguments and the named flavors (dense and Mixture-of-Experts; docs/qwen3_5.md).
+
+A Qwen3.5 text decoder interleaves two token mixers: Gated DeltaNet layers (linear attention
+with a per-head recurrent state, ``linear_*`` fields) and gated full-attention layers (GQA whose
+query projection also yields a sigmoid output gate, partial RoPE on the first
+``partial_rotary_factor`` of each head). ``layer_types`` says which layer is which (the
+published models: three DeltaNet layers, then one full-attention layer). Every RMSNorm except
+the DeltaNet's output norm is zero-centred (``x_hat * (1 + w)``, ``w`` starting at 0). The MoE
+flavors replace every feed-forward by routed experts plus one shared expert whose output a
+sigmoid gate scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase, flavor_table
+from torchtitan.models.common.moe import MoEArgs
+
+LINEAR, FULL = "linear_attention", "full_attention"
+LAYER_KINDS = (LINEAR, FULL)
+
+
+def interleaving(n_layers: int, interval: int = 4) -> tuple[str, ...]:
+    """The published layout: every ``interval``-th layer full attention, the rest DeltaNet."""
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers))
+
+
+@dataclass
+class Qwen35Args(DecoderArgsBase):
+    """Shape of a Qwen3.5 (dense or MoE) text decoder."""
+
+    head_dim: int = 256  # type: ignore[assignment]
+    """Width of one full-attention head."""
+    intermediate_size: int = 12288
+    """Dense SwiGLU width."""
+    n_kv_heads: int = 4
+    norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    max_seq_len: int = 262144
+    vocab_size: int = 248320
+    partial_rotary_factor: float = 0.25
+    """Share of each full-attention head's channels RoPE rotates (the first ones)."""
+    layer_types: tuple[str, ...] = ()
+    """``linear_attention`` / ``full_attention`` per layer; empty: :func:`interleaving`."""
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    """Width of the causal depthwise convolution over q, k and v of the DeltaNet layers."""
+    moe: MoEArgs | None = None
+    shared_expert_dim: int = 0
+    """Width of the sigmoid-gated shared expert of the MoE flavors (0: none)."""
+    linear_kernel: str = "auto"
+    """Delta-rule kernel: ``auto`` (flash-linear-attention on CUDA when installed, else the
+    PyTorch chunked form), ``fla``, ``chunked`` or ``recurrent`` (docs/qwen3_5.md)."""
+
+    qk_norm: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = interleaving(self.n_layers)
+        self.layer_types = tuple(self.layer_types)
+        problem = self.shape_problem()
+        if problem is not None:
+            raise ValueError(problem)
+        super().__post_init__()
+
+    def shape_problem(self) -> str | None:
+        """What is wrong with the Qwen3.5-specific fields (a one-line message with the fix), or
+        None."""
+        types = self.layer_types
+        if len(types) != self.n_layers or any(t not in LAYER_KINDS for t in types):
+            return (
+                f"layer_types={list(types)} must list {self.n_layers} entries (n_layers), each "
+                f"one of {list(LAYER_KINDS)}; leave it empty for the published interleaving "
+                "(every 4th layer full_attention)"
+            )
+        if self.linear_conv_kernel_dim < 1:
+            return (
+                f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 1 (the "
+                "published models use 4)"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads != 0:
+            return (
+                f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}"
+            )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            return (
+                f"partial_rotary_factor={self.partial_rotary_factor} gives {self.rotary_dim} "
+                f"rotary channels of head_dim={self.head_dim}: it must be even and in 2..head_dim"
+            )
+        if self.linear_kernel not in ("auto", "fla", "chunked", "recurrent"):
+            return (
+                f"linear_kernel={self.linear_kernel!r} must be one of auto, fla, chunked, recurrent"
+            )
+        return None
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.intermediate_size
+
+    def is_linear(self, layer_id: int) -> bool:
+        return self.layer_types[layer_id] == LINEAR
+
+    @property
+    def n_full_layers(self) -> int:
+        return sum(not self.is_linear(i) for i in range(self.n_layers))
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def _attention_params(self) -> int:
+        d, hd = self.dim, self.head_dim
+        # q (doubled for the gate), k, v, o and the two QK-norms
+        return d * hd * (3 * self.n_heads + 2 * self.kv_heads) + 2 * hd
+
+    def _linear_params(self) -> int:
+        d, nv = self.dim, self.linear_num_value_heads
+        inputs = d * (self.conv_dim + self.linear_value_dim + 2 * nv)  # qkv, z, b, a
+        conv = self.conv_dim * self.linear_conv_kernel_dim
+        return inputs + conv + 2 * nv + self.linear_value_head_dim + self.linear_value_dim * d
+
+    def _ffn_params(self, layer_id: int, active: bool) -> int:
+        if self.moe is None:
+            return super()._ffn_params(layer_id, active)
+        shared = 3 * self.dim * self.shared_expert_dim + (self.dim if self.shared_expert_dim else 0)
+        return self.moe.num_params(self.dim, active=active) + shared
+
+    def _layer_params(self, layer_id: int, active: bool) -> int:
+        mixer = self._linear_params() if self.is_linear(layer_id) else self._attention_params()
+        return mixer + self._ffn_params(layer_id, active) + 2 * self.dim
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """``6 x`` active non-embedding parameters, plus per full-attention layer the scores
+        (``12 n_heads head_dim seq_len``), plus per DeltaNet layer its state work, which does
+        not grow with ``seq_len``: per token and value head, ``~4 Dk Dv`` multiply-adds
+        forward (state read, delta, write, output) and the chunk-local attention ``C (Dk + Dv)``
+        with chunks of ``C = 64``; times 3 for forward + backward (docs/qwen3_5.md)."""
+        attention = 12 * self.n_full_layers * self.n_heads * self.head_dim * seq_len
+        dk, dv, c = self.linear_key_head_dim, self.linear_value_head_dim, min(64, seq_len)
+        per_head = 2 * (4 * dk * dv + c * (dk + dv))
+        linear = 3 * (self.n_layers - self.n_full_layers) * self.linear_num_value_heads * per_head
+        return 6 * self.num_params(exclude_embedding=True, active=True) + attention + linear
+
+    def delta_state_elems(self) -> int:
+        """Elements of one sequence's recurrent state in one DeltaNet layer (per head, not per
+        token: ``H x Dk x Dv``)."""
+        return self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+
+
+_DEBUG = Qwen35Args(
+    **DEBUG_SHAPE,
+    n_layers=4,
+    n_kv_heads=2,
+    head_dim=32,
+    intermediate_size=512,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+)
+_DEBUG_EXPERTS = MoEArgs(num_experts=8, top_k=2, expert_dim=128, aux_loss_coef=0.001)
+
+
+def _experts(n: int, k: int, width: int) -> MoEArgs:
+    return MoEArgs(num_experts=n, top_k=k, expert_dim=width, aux_loss_coef=0.001)
+
+
+_SHARED = {"head_dim": 256, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
+
+QWEN35_FLAVORS: dict[str, Qwen35Args] = {
+    # Both layer kinds: layers 0-2 DeltaNet, layer 3 full attention.
+    "debugmodel": _DEBUG,
+    "debugmodel_moe": replace(_DEBUG, moe=_DEBUG_EXPERTS, shared_expert_dim=128),
+    # Published shapes (text_config of the Hugging Face config.json of Qwen/Qwen3.5-*).
+    **flavor_table(
+        Qwen35Args,
+        (
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "intermediate_size",
+            "linear_num_value_heads",
+            "tie_word_embeddings",
+        ),
+        {
+            "0.8B": (1024, 24, 8, 2, 3584, 16, True),
+            "2B": (2048, 24, 8, 2, 6144, 16, True),
+            "4B": (2560, 32, 16, 4, 9216, 32, True),
+            "9B": (4096, 32, 16, 4, 12288, 32, False),
+            "27B": (5120, 64, 24, 4, 17408, 48, False),
+        },
+        **_SHARED,
+    ),
+    **flavor_table(
+        Qwen35Args,
+        ("dim", "n_layers", "n_heads", "linear_num_value_heads", "moe", "shared_expert_dim"),
+        {
+            "35B-A3B": (2048, 40, 16, 32, _experts(256, 8, 512), 512),
+            "122B-A10B": (3072, 48, 32, 64, _experts(256, 8, 1024), 1024),
+            "397B-A17B": (4096, 60, 32, 64, _experts(512, 10, 1024), 1024),
+        },
+        n_kv_heads=2,
+        **_SHARED,
+    ),
+}
+"""The named shapes. The trainer replaces ``vocab_size`` (tokenizer) and ``max_seq_len``
+(``training.seq_len``)."""
+
+__all__ = ["FULL", "LINEAR", "QWEN35_FLAVORS", "Qwen35Args", "interleaving"]
