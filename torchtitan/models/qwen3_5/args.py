@@ -57,7 +57,9 @@ class Qwen35Args(DecoderArgsBase):
     """Delta-rule kernel: ``auto`` (flash-linear-attention on CUDA when installed, else the
     PyTorch chunked form), ``fla``, ``chunked`` or ``recurrent`` (docs/qwen3_5.md)."""
 
-    qk_norm: ClassVar[bool] = True
+    qk_norm: ClassVar[bool] = False
+    """The QK-norms are counted in ``mixer_shapes`` / ``block_saved_bytes`` (the estimator's
+    generic QK-norm terms would count them in DeltaNet layers too)."""
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -106,6 +108,10 @@ class Qwen35Args(DecoderArgsBase):
     @property
     def hidden_dim(self) -> int:
         return self.intermediate_size
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Every block of an MoE flavor is MoE."""
+        return self.moe is not None
 
     def is_linear(self, layer_id: int) -> bool:
         return self.layer_types[layer_id] == LINEAR
@@ -158,6 +164,15 @@ class Qwen35Args(DecoderArgsBase):
         per_head = 2 * (4 * dk * dv + c * (dk + dv))
         linear = 3 * (self.n_layers - self.n_full_layers) * self.linear_num_value_heads * per_head
         return 6 * self.num_params(exclude_embedding=True, active=True) + attention + linear
+
+    def mixer_shapes(self, layer: int, tp: int) -> list[tuple[tuple[int, int], bool]]:
+        """The estimator's view of block ``layer``'s token mixer after TP: each parameter's
+        2-D shape and whether it is a matmul weight (``plan/memory_terms.py: layer_shapes``)."""
+        return _mixer_shapes(self, layer, tp)
+
+    def block_saved_bytes(self, layer: int, tokens: int, act: int, tp: int, mode: str) -> int:
+        """Saved activations of block ``layer`` (:func:`block_saved_bytes`)."""
+        return block_saved_bytes(self, layer, tokens, act, tp, mode)
 
     def delta_state_elems(self) -> int:
         """Elements of one sequence's recurrent state in one DeltaNet layer (per head, not per
@@ -226,3 +241,68 @@ QWEN35_FLAVORS: dict[str, Qwen35Args] = {
 (``training.seq_len``)."""
 
 __all__ = ["FULL", "LINEAR", "QWEN35_FLAVORS", "Qwen35Args", "interleaving"]
+
+
+def _mixer_shapes(a: Qwen35Args, layer: int, tp: int) -> list[tuple[tuple[int, int], bool]]:
+    """The token mixer's parameters; in an MoE block also the gated shared expert (replicated
+    under TP; the estimator adds the router and routed experts)."""
+    d, s = a.dim, a.shared_expert_dim
+    shared = [((s, d), True), ((d, s), True), ((s, d), True), ((1, d), True)] if s else []
+    return _own_mixer_shapes(a, layer, tp) + shared
+
+
+def _own_mixer_shapes(a: Qwen35Args, layer: int, tp: int) -> list[tuple[tuple[int, int], bool]]:
+    d = a.dim
+    if not a.is_linear(layer):
+        q, kv, hd = a.n_heads * a.head_dim // tp, a.kv_heads * a.head_dim // tp, a.head_dim
+        qk_norms = [((hd, 1), False), ((hd, 1), False)]
+        return [((2 * q, d), True), ((kv, d), True), ((kv, d), True), ((d, q), True), *qk_norms]
+    conv, value, heads = a.conv_dim // tp, a.linear_value_dim // tp, a.linear_num_value_heads // tp
+    return [
+        ((conv, d), True),  # wqkv
+        ((value, d), True),  # wz
+        ((heads, d), True),  # wb
+        ((heads, d), True),  # wa
+        ((conv, a.linear_conv_kernel_dim), False),
+        ((heads, 1), False),  # A_log
+        ((heads, 1), False),  # dt_bias
+        ((a.linear_value_head_dim, 1), False),  # the gated output norm
+        ((d, value), True),  # wo
+    ]
+
+
+def _mixer_saved(a: Qwen35Args, layer: int, act: int, tp: int, chunk: int) -> float:
+    """Bytes one token's mixer saves (no activation checkpointing), counted from the code and
+    checked with saved-tensor hooks (``tests/unit/test_qwen3_5_estimator.py``)."""
+    d = a.dim
+    if not a.is_linear(layer):
+        q, kv = a.n_heads * a.head_dim / tp, a.kv_heads * a.head_dim / tp
+        return (d + 8 * q + 6 * kv) * act + 3 * a.n_heads / tp * 4
+    conv, value = a.conv_dim / tp, a.linear_value_dim / tp
+    h, nk = a.linear_num_value_heads / tp, a.linear_num_key_heads / tp
+    dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
+    # projections, the convolution's shifted copies, SiLU in/out; the gated norm and wo input
+    projected = d + (a.linear_conv_kernel_dim + 2) * conv + 5 * value
+    # float32 inside the delta rule: normalized q/k, the repeated q/k and their chunk products,
+    # the values' products, the C x C in-chunk matrices, the state entering each chunk
+    # (H x Dk x Dv per sequence and chunk: per head, not per token), small per-head terms
+    rule = 2 * nk * dk + 6 * h * dk + 5 * value + 6 * h * chunk + h * dk * dv / chunk + 12 * h
+    return projected * act + rule * 4 + 2 * chunk
+
+
+def block_saved_bytes(a: Qwen35Args, layer: int, tokens: int, act: int, tp: int, mode: str) -> int:
+    """Bytes block ``layer`` saves for backward over ``tokens`` local tokens: the two
+    zero-centred norms, the mixer (DeltaNet or gated attention), the dense SwiGLU (an MoE layer
+    is the estimator's ``moe_activation_delta``). ``full``: the block input; ``op``: the block
+    input and the mixer's projection outputs (estimated)."""
+    d, hid = a.dim, a.hidden_dim
+    if mode == "full":
+        return int(tokens * d / tp * act)
+    if mode == "op":
+        width = (
+            a.conv_dim + a.linear_value_dim if a.is_linear(layer) else 3 * a.n_heads * a.head_dim
+        )
+        return int(tokens * (d / tp + width / tp + d + hid / tp) * act)
+    chunk = min(64, a.max_seq_len)
+    norms = (4 * d / tp + d) * act + 2 * 4
+    return int(tokens * (norms + 4 * hid / tp * act + _mixer_saved(a, layer, act, tp, chunk)))
