@@ -277,3 +277,67 @@ def test_export_to_transformers(args: Qwen35Args, tmp_path: Path) -> None:
     assert all(torch.equal(back[k], v) for k, v in sd.items())
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["layer_types"] == list(args.layer_types)
+
+
+# ---------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"layer_types": ("linear_attention", "full_attention")}, "layer_types"),
+        ({"layer_types": ("linear_attention",) * 3 + ("sliding",)}, "layer_types"),
+        ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim"),
+        ({"linear_num_value_heads": 5}, "linear_num_value_heads"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_field(change: dict[str, Any], field: str) -> None:
+    """From a Hugging Face config.json too: the field, the rule and the fix on one line."""
+    from torchtitan.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        dataclasses.replace(DENSE, **change)
+    assert err.value.field == field and "\n" not in str(err.value) and "Fix:" in str(err.value)
+    hf_config = MODELS["qwen3_5"].state_dict_adapter(DENSE).hf_config()
+    hf_config.update({k: list(v) if isinstance(v, tuple) else v for k, v in change.items()})
+    with pytest.raises(ConfigError, match=field):
+        MODELS["qwen3_5"].hf.config.args_from_hf(hf_config)
+
+
+def test_tp_degree_must_divide_the_deltanet_heads() -> None:
+    """The plan's divisible sizes name the DeltaNet heads; TP 3 is refused naming a head count."""
+    from torchtitan.distributed.tensor_parallel import tp_problem
+
+    plan = MODELS["qwen3_5"].parallel_plan(QWEN35_FLAVORS["debugmodel"])
+    sizes = plan.tensor_parallel.divisible
+    assert sizes["linear_num_key_heads"] == 4 and sizes["linear_num_value_heads"] == 8
+    assert tp_problem(sizes, 2) is None
+    problem = tp_problem({**sizes, "n_heads": 12, "n_kv_heads": 6}, 3)
+    assert problem is not None and "linear_num_key_heads=4" in problem
+    assert plan.context_parallel is None  # refused: the DeltaNet state would cross CP ranks
+
+
+def test_broken_fla_install_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-linear-attention installed but failing to import: one line naming it, before any
+    process group (preflight asks ``device_problem``); never on CPU with ``auto``."""
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.models.qwen3_5 import args as args_module
+
+    monkeypatch.setattr(args_module, "fla_available", lambda: True)
+    monkeypatch.setattr(args_module, "fla_problem", lambda: "ImportError: triton missing")
+    a = QWEN35_FLAVORS["debugmodel"]
+    assert a.device_problem("cpu") is None
+    problem = a.device_problem("cuda")
+    assert isinstance(problem, ConfigError) and "triton missing" in str(problem)
+    assert "\n" not in str(problem)
+    forced = dataclasses.replace(a, linear_kernel="fla").device_problem("cpu")
+    assert isinstance(forced, ConfigError) and "needs CUDA" in str(forced)
+
+
+def test_cp_refused_with_one_line(tmp_path: Path) -> None:
+    """Context parallel for Qwen3.5 is a config error (exit 2 from the entry points)."""
+    from tests.unit.test_estimator import BASE
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.preflight.validate import load_config
+
+    argv = [*BASE, "--model.name", "qwen3_5", "--job.dump_folder", str(tmp_path)]
+    with pytest.raises(ConfigError, match="context_parallel_degree"):
+        load_config([*argv, "--parallelism.context_parallel_degree", "2"], world_size=2)

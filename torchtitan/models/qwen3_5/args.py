@@ -15,11 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase, flavor_table
 from torchtitan.models.common.moe import MoEArgs
+from torchtitan.models.qwen3_5.delta_rule import fla_available, fla_problem
 
 LINEAR, FULL = "linear_attention", "full_attention"
 LAYER_KINDS = (LINEAR, FULL)
+KERNELS = ("auto", "fla", "chunked", "recurrent")
 
 
 def interleaving(n_layers: int, interval: int = 4) -> tuple[str, ...]:
@@ -67,39 +70,78 @@ class Qwen35Args(DecoderArgsBase):
         self.layer_types = tuple(self.layer_types)
         problem = self.shape_problem()
         if problem is not None:
-            raise ValueError(problem)
+            raise problem
         super().__post_init__()
 
-    def shape_problem(self) -> str | None:
-        """What is wrong with the Qwen3.5-specific fields (a one-line message with the fix), or
-        None."""
+    def shape_problem(self) -> ConfigError | None:
+        """What is wrong with the Qwen3.5-specific fields (named as in ``config.json``), with
+        the fix, or None."""
         types = self.layer_types
         if len(types) != self.n_layers or any(t not in LAYER_KINDS for t in types):
-            return (
-                f"layer_types={list(types)} must list {self.n_layers} entries (n_layers), each "
-                f"one of {list(LAYER_KINDS)}; leave it empty for the published interleaving "
-                "(every 4th layer full_attention)"
+            return ConfigError(
+                "layer_types",
+                list(types),
+                f"must list {self.n_layers} entries (num_hidden_layers), each one of "
+                f"{list(LAYER_KINDS)}",
+                "list one kind per layer, or leave it out for the published interleaving "
+                "(every 4th layer full_attention)",
             )
         if self.linear_conv_kernel_dim < 1:
-            return (
-                f"linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 1 (the "
-                "published models use 4)"
+            return ConfigError(
+                "linear_conv_kernel_dim",
+                self.linear_conv_kernel_dim,
+                "the DeltaNet's causal convolution needs a kernel of at least 1 token",
+                "set it to 4 (every published Qwen3.5)",
             )
         if self.linear_num_value_heads % self.linear_num_key_heads != 0:
-            return (
-                f"linear_num_value_heads={self.linear_num_value_heads} must be a multiple of "
-                f"linear_num_key_heads={self.linear_num_key_heads}"
+            return ConfigError(
+                "linear_num_value_heads",
+                self.linear_num_value_heads,
+                f"must be a multiple of linear_num_key_heads={self.linear_num_key_heads} (each "
+                "key head serves a group of value heads)",
+                f"use a multiple of {self.linear_num_key_heads}",
             )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
-            return (
-                f"partial_rotary_factor={self.partial_rotary_factor} gives {self.rotary_dim} "
-                f"rotary channels of head_dim={self.head_dim}: it must be even and in 2..head_dim"
+            return ConfigError(
+                "partial_rotary_factor",
+                self.partial_rotary_factor,
+                f"gives {self.rotary_dim} rotary channels of head_dim={self.head_dim}; they must "
+                "be even and at most head_dim",
+                "use 0.25 (the published models) or another factor giving an even count",
             )
-        if self.linear_kernel not in ("auto", "fla", "chunked", "recurrent"):
-            return (
-                f"linear_kernel={self.linear_kernel!r} must be one of auto, fla, chunked, recurrent"
+        if self.linear_kernel not in KERNELS:
+            return ConfigError(
+                "linear_kernel", self.linear_kernel, f"must be one of {list(KERNELS)}", "use auto"
             )
         return None
+
+    def device_problem(self, device_type: str) -> ConfigError | None:
+        """Why the delta-rule kernel cannot run on ``device_type`` (preflight asks before any
+        process group): flash-linear-attention installed but failing to import, or asked for
+        where it cannot run."""
+        uses_fla = self.linear_kernel == "fla" or (
+            self.linear_kernel == "auto" and device_type == "cuda" and fla_available()
+        )
+        if not uses_fla:
+            return None
+        if device_type != "cuda" or not fla_available():
+            return ConfigError(
+                "linear_kernel",
+                "fla",
+                f"flash-linear-attention needs CUDA and the fla package (device {device_type}, "
+                f"installed: {fla_available()})",
+                "use linear_kernel auto or chunked (the exact PyTorch form)",
+            )
+        broken = fla_problem()
+        if broken is None:
+            return None
+        return ConfigError(
+            "flash-linear-attention (import fla.ops.gated_delta_rule)",
+            None,
+            f"installed but fails to import ({broken})",
+            "reinstall it (pip install 'torchtitan[fla]') or uninstall it to use the PyTorch "
+            "chunked kernel",
+        )
 
     @property
     def rotary_dim(self) -> int:
