@@ -158,7 +158,7 @@ def fla_problem() -> str | None:
 def _cu_seqlens(doc_ids: torch.Tensor | None, b: int, s: int, device: torch.device) -> torch.Tensor:
     """Start offsets of every document of the flattened batch, and the total (fla's varlen)."""
     starts = _starts(doc_ids, b, s, device).flatten().nonzero().flatten()
-    return torch.cat([starts, starts.new_tensor([b * s])]).to(torch.int32)
+    return torch.cat([starts, starts.new_tensor([b * s])]).to(torch.long)
 
 
 def fla_delta_rule(
