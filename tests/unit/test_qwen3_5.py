@@ -341,3 +341,74 @@ def test_cp_refused_with_one_line(tmp_path: Path) -> None:
     argv = [*BASE, "--model.name", "qwen3_5", "--job.dump_folder", str(tmp_path)]
     with pytest.raises(ConfigError, match="context_parallel_degree"):
         load_config([*argv, "--parallelism.context_parallel_degree", "2"], world_size=2)
+
+
+class _Source:
+    """An in-memory ``HFSource`` (``models/common/hf/mapping.py``) counting the bytes read."""
+
+    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+        self.sd, self.read_bytes = sd, 0
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.sd
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.sd[name].shape)
+
+    def read(self, name: str, box: Any) -> torch.Tensor:
+        out = self.sd[name][box]
+        self.read_bytes += out.numel() * out.element_size()
+        return out
+
+
+@pytest.mark.parametrize("args", [DENSE, MOE], ids=["dense", "moe"])
+def test_streamed_import_reads_only_each_shard(args: Qwen35Args) -> None:
+    """Every tensor's FSDP-style row shards (2 and 3 ranks) built by ``from_hf_box`` equal the
+    whole import's rows, reading only the shard's bytes (docs/hf_io.md)."""
+    adapter = MODELS["qwen3_5"].state_dict_adapter(args)
+    ours = {k: v for k, v in _model(args, 3).state_dict().items()}
+    whole = adapter.from_hf(adapter.to_hf(ours))
+    for n in (2, 3):
+        source = _Source(adapter.to_hf(ours))
+        for key, full in whole.items():
+            if key == "output.weight" and args.tie_word_embeddings:
+                continue
+            rows = -(-full.shape[0] // n)
+            for r in range(n):
+                box = (slice(min(r * rows, full.shape[0]), min((r + 1) * rows, full.shape[0])),)
+                box += tuple(slice(0, s) for s in full.shape[1:])
+                got = adapter.from_hf_box(key, tuple(full.shape), box, source)
+                assert torch.equal(got, full[box]), (key, n, r)
+        total = sum(
+            v.numel() * v.element_size() for k, v in whole.items() if "expert_bias" not in k
+        )
+        if args.tie_word_embeddings:
+            total -= whole["output.weight"].numel() * whole["output.weight"].element_size()
+        assert source.read_bytes == total
+
+
+def test_multimodal_checkpoint_text_decoder_is_read() -> None:
+    """The published layout (``model.language_model.*``, a ``text_config``): streamed reads
+    take the text decoder and never the vision tower; a whole state dict holding the vision
+    tower is refused with one line naming it."""
+    adapter = MODELS["qwen3_5"].state_dict_adapter(DENSE)
+    ours = dict(_model(DENSE, 4).state_dict())
+    text = adapter.to_hf(ours)
+    multimodal = {k.replace("model.", "model.language_model.", 1): v for k, v in text.items()}
+    multimodal["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    source = _Source(multimodal)
+    for key, full in ours.items():
+        if key == "output.weight":
+            continue  # tied
+        box = tuple(slice(0, s) for s in full.shape)
+        assert torch.equal(adapter.from_hf_box(key, tuple(full.shape), box, source), full), key
+    with pytest.raises(ValueError, match="vision tower") as err:
+        adapter.from_hf(multimodal)
+    assert "\n" not in str(err.value)
+    del multimodal["model.visual.blocks.0.attn.qkv.weight"]
+    back = adapter.from_hf(multimodal)
+    assert all(torch.equal(back[k], v) for k, v in ours.items())
+    config = adapter.hf_config()
+    wrapped = {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": config}
+    wrapped["text_config"] = {k: v for k, v in config.items() if k != "tie_word_embeddings"}
+    assert MODELS["qwen3_5"].hf.config.args_from_hf(wrapped) == DENSE

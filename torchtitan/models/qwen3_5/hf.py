@@ -21,9 +21,16 @@ from typing import Any
 
 import torch
 
-from torchtitan.models.common.hf import ConfigField, ExpertStack, HFConfig, HFMapping, OursOnly
+from torchtitan.models.common.hf import (
+    ConfigField,
+    ExpertStack,
+    HFConfig,
+    HFMapping,
+    OursOnly,
+    StateDictAdapter,
+)
 from torchtitan.models.common.hf.decoder import BLOCK_NORMS, DECODER_TOP, SWIGLU
-from torchtitan.models.common.hf.mapping import Box, ReadBox
+from torchtitan.models.common.hf.mapping import Box, HFSource, ReadBox
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3_5.args import Qwen35Args
 
@@ -134,15 +141,6 @@ class _MoESection:
 MULTIMODAL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
-def vision_problem(key: str) -> str:
-    """The one-line error for a vision-tower (or multi-token-prediction) tensor."""
-    return (
-        f"{key!r} belongs to the vision tower or MTP head of a multimodal Qwen3.5 checkpoint: "
-        "this family is the text decoder only; read the text weights (model.language_model.*) "
-        "and leave the vision tower out"
-    )
-
-
 class Qwen35HFConfig(HFConfig):
     """:class:`HFConfig` that also reads a multimodal ``config.json`` (its ``text_config``,
     with the top level's ``tie_word_embeddings``)."""
@@ -241,17 +239,61 @@ QWEN35_HF = HFMapping(
 )
 """Qwen3.5 / Qwen3.5-MoE <-> ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM``."""
 
-QWEN35_MULTIMODAL_HF = HFMapping(
-    top={
-        "tok_embeddings.weight": "model.language_model.embed_tokens.weight",
-        "norm.weight": "model.language_model.norm.weight",
-        "output.weight": "lm_head.weight",
-    },
-    layer=QWEN35_HF.layer,
-    transforms=QWEN35_HF.transforms,
-    experts=QWEN35_HF.experts,
-    ours_only=QWEN35_HF.ours_only,
-    config=_CONFIG,
-    layers=("layers", "model.language_model.layers"),
-)
-"""The text decoder inside ``Qwen3_5ForConditionalGeneration`` (the published checkpoints)."""
+
+TEXT_PREFIX, MULTIMODAL_TEXT_PREFIX = "model.", "model.language_model."
+NOT_TEXT = ("model.visual.", "mtp.")
+
+
+def vision_problem(key: str) -> str:
+    """The one-line error for a vision-tower or multi-token-prediction tensor handed to the
+    text decoder."""
+    return (
+        f"{key!r} belongs to the vision tower or the MTP head of a multimodal Qwen3.5 "
+        "checkpoint: the qwen3_5 family is the text decoder only. Fix: leave model.visual.* "
+        "and mtp.* out (python -m torchtitan.convert reads only the text weights)"
+    )
+
+
+class _TextView:
+    """An ``HFSource`` of a multimodal checkpoint seen with the text-only names
+    (``model.language_model.X`` as ``model.X``; ``lm_head`` unchanged)."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def _name(self, name: str) -> str:
+        inner = MULTIMODAL_TEXT_PREFIX + name.removeprefix(TEXT_PREFIX)
+        if name.startswith(TEXT_PREFIX) and name not in self.source and inner in self.source:
+            return inner
+        return name
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._name(name) in self.source
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.source.shape(self._name(name)))
+
+    def read(self, name: str, box: Any) -> torch.Tensor:
+        return self.source.read(self._name(name), box)
+
+
+class Qwen35StateDictAdapter(StateDictAdapter):
+    """The shared adapter over :data:`QWEN35_HF`, also reading the text decoder of the
+    published multimodal checkpoints (``Qwen3_5ForConditionalGeneration``: the same names under
+    ``model.language_model.``). Streamed reads (``from_hf_box``) never touch the vision tower;
+    a whole state dict that holds it is refused (:func:`vision_problem`)."""
+
+    def from_hf(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        text: dict[str, torch.Tensor] = {}
+        for key, w in hf.items():
+            if key.startswith(NOT_TEXT):
+                raise ValueError(vision_problem(key))
+            if key.startswith(MULTIMODAL_TEXT_PREFIX):
+                key = TEXT_PREFIX + key.removeprefix(MULTIMODAL_TEXT_PREFIX)
+            text[key] = w
+        return super().from_hf(text)
+
+    def from_hf_box(
+        self, key: str, shape: tuple[int, ...], box: Box, source: HFSource
+    ) -> torch.Tensor:
+        return super().from_hf_box(key, shape, box, _TextView(source))
