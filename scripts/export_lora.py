@@ -17,34 +17,68 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from torchtitan.checkpoint.storage import read_hf_folder, read_model_weights
+from torchtitan.checkpoint.hf_io import SafetensorsFolder, base_state_dict, save_hf_streaming
+from torchtitan.checkpoint.storage import read_model_weights
+from torchtitan.config.job_config import Lora
 from torchtitan.config.manager import parse_args
 from torchtitan.lora.peft_io import merge_adapters, save_peft_adapters
 from torchtitan.models import MODELS
 
 
 def export(ckpt: Path, base: Path, out: Path, config_argv: list[str], merged: bool) -> int:
-    """Write the PEFT folder (or the merged HF folder); returns the number of tensors written."""
-    from safetensors.torch import save_file
-
+    """Write the PEFT folder (or the merged HF folder); returns the number of tensors written.
+    The base's weights are never read whole: the PEFT export needs only its ``config.json``;
+    the merged one streams it a tensor at a time (read, fold in its adapters, write)."""
     cfg = parse_args(config_argv)
     spec = MODELS[cfg.model.name]
     assert spec.hf is not None, f"{cfg.model.name} has no Hugging Face mapping"
-    config, hf_sd = read_hf_folder(base)
-    adapter = spec.state_dict_adapter(spec.hf.config.args_from_hf(config))
+    args = spec.hf.config.args_from_hf(json.loads((base / "config.json").read_text()))
+    adapter = spec.state_dict_adapter(args)
     adapters = read_model_weights(ckpt)
     if not merged:
         return len(save_peft_adapters(out, adapters, adapter, cfg.lora, base=str(base)))
-    full = {**adapter.from_hf(hf_sd), **adapters}
-    hf = adapter.to_hf(merge_adapters(full, cfg.lora))
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in hf.items()}, str(out / "model.safetensors"))
-    dtype = next(iter(hf_sd.values())).dtype
-    (out / "config.json").write_text(json.dumps(adapter.hf_config(dtype), indent=2) + "\n")
-    return len(hf)
+    return _export_merged(spec.build, args, adapter, adapters, cfg.lora, base, out)
+
+
+def _export_merged(
+    build: Any, args: Any, adapter: Any, adapters: dict, lora: Lora, base: Path, out: Path
+) -> int:
+    """The base folder with every adapter folded into its weight, one tensor in host memory at
+    a time: names and shapes from the model built on ``meta``, each weight read from ``base``
+    when it is written (``save_hf_streaming``'s ``fetch``)."""
+    with torch.device("meta"):
+        model = build(args)
+    source = SafetensorsFolder(base)
+    dtype = source.dtype(source.names()[0])
+    sd = {k: v.to(dtype) for k, v in base_state_dict([model]).items()}
+    written = 0
+
+    def fetch(key: str, t: torch.Tensor) -> torch.Tensor:
+        nonlocal written
+        shape = tuple(t.shape)
+        w = adapter.from_hf_box(key, shape, tuple(slice(0, n) for n in shape), source)
+        source.release()
+        written += 1
+        return merge_adapters({key: w, **_adapters_of(key, adapters)}, lora)[key]
+
+    try:
+        save_hf_streaming(sd, adapter, out, dtype=dtype, fetch=fetch)
+    finally:
+        source.close()
+    return written
+
+
+def _adapters_of(key: str, adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter entries that fold into our tensor ``key``: ``m.lora_A``/``m.lora_B`` for
+    ``m.weight``, ``m.lora_A_w1``/``m.lora_B_w1`` for grouped experts' ``m.w1``."""
+    module, _, leaf = key.rpartition(".")
+    suffix = "" if leaf == "weight" else f"_{leaf}"
+    names = (f"{module}.lora_A{suffix}", f"{module}.lora_B{suffix}")
+    return {n: adapters[n] for n in names if n in adapters}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed.utils import device_type
 from torchtitan.eval.loading import load_weights as read_weights
@@ -184,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     if not a.hf and a.flavor not in MODELS[a.model].flavors:
         p.error(f"--flavor {a.flavor} is not one of {sorted(MODELS[a.model].flavors)}")
     # From an HF folder the family comes from its config.json.
-    a.model, args, sd = read_weights(a.checkpoint, a.hf, a.model, a.flavor)
+    try:
+        a.model, args, sd = read_weights(a.checkpoint, a.hf, a.model, a.flavor)
+    except ConfigError as e:  # a config.json key we cannot compute (docs/hf_io.md): exit 2
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     if tokenizer.vocab_size > args.vocab_size:
         p.error(
             f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {args.vocab_size}"

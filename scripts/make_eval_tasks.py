@@ -10,7 +10,10 @@ own sentence shapes, so a debug model trained on ``test_corpus`` can beat chance
   ``.`` or newline, scored by exact match (chance about 0).
 
 Each task has a ``test`` split and a small disjoint ``train`` split for few-shot examples. Data
-files sit beside the YAMLs and are named relative to them (torchtitan resolves them; see
+files sit beside the YAMLs and are named relative to them; the YAMLs read them through
+``custom_dataset: !function facts_data.load`` (``facts_data.py``, written beside them), which
+resolves the names from its own folder, so stock ``lm_eval --include_path tests/assets/eval``
+finds them from any working directory (torchtitan makes them absolute itself; see
 docs/evaluation.md). Deterministic for a given ``--seed``::
 
     python scripts/make_eval_tasks.py                     # writes tests/assets/eval
@@ -28,11 +31,33 @@ from make_test_dataset import LEGS, PETS, cap, words
 _DATA = """\
 dataset_path: json
 dataset_name: null
+custom_dataset: !function facts_data.load
 dataset_kwargs:
   data_files:
     train: facts_train.jsonl
     test: facts_test.jsonl
 """
+
+LOADER = '''"""Written by scripts/make_eval_tasks.py (docs/evaluation.md): the tasks' ``custom_dataset``.
+
+lm-eval calls it with the YAML's ``dataset_kwargs`` (and ``metadata``); the ``data_files``
+named relative to the YAML are read from this folder, so stock
+``lm_eval --include_path tests/assets/eval`` works from any working directory (absolute
+names, as torchtitan passes them, are kept).
+"""
+
+from pathlib import Path
+from typing import Any
+
+
+def load(data_files: dict[str, str], **_: Any) -> Any:
+    import datasets
+
+    here = Path(__file__).resolve().parent
+    files = {split: str(here / name) for split, name in data_files.items()}
+    return datasets.load_dataset("json", data_files=files)
+'''
+"""The module beside the YAMLs that their ``custom_dataset`` names (``facts_data.load``)."""
 
 
 def task_yaml(task: str, output_type: str, fields: str) -> str:
@@ -130,6 +155,7 @@ def write(out: Path, seed: int, n_train: int) -> None:
             f.writelines(json.dumps(d) + "\n" for d in part)
     (out / "torchtitan_facts_mc.yaml").write_text(MC_YAML)
     (out / "torchtitan_facts_gen.yaml").write_text(GEN_YAML)
+    (out / "facts_data.py").write_text(LOADER)
     print(f"{out}: {len(docs) - n_train} test and {n_train} train questions, 2 tasks")
 
 

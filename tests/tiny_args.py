@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchtitan.models.common.moe import MoEArgs
-from torchtitan.models.common.rope import YarnScaling
+from torchtitan.models.common.rope import Llama3Scaling, YarnScaling
 from torchtitan.models.deepseek_v3 import DeepSeekV3Args
 from torchtitan.models.deepseek_v3.args import group_routed_experts
 from torchtitan.models.gpt_oss import GptOssArgs
@@ -106,7 +106,7 @@ def tiny_hf_cases() -> dict[str, tuple[str, Any]]:
     return {
         "llama3": (
             "llama3",
-            tiny_llama3(multiple_of=64, rope_scaling_factor=8.0, rope_original_max_seq_len=32),
+            tiny_llama3(multiple_of=64, rope_scaling=Llama3Scaling(8.0, original_max_seq_len=32)),
         ),
         "qwen3": ("qwen3", tiny_qwen3()),
         "qwen3-moe": ("qwen3", moe),

@@ -125,7 +125,7 @@ def build_meta_model(
             device_type=device.type,
         )
     if cfg.lora.enable:  # adapters before parallelize, so its plans see them (docs/lora.md)
-        adapted = apply_lora(model, with_targets(cfg.lora, spec))
+        adapted = apply_lora(model, with_targets(cfg.lora, spec, args))
         logger.info(f"lora: rank {cfg.lora.rank} adapters on {len(adapted)} modules")
     return model
 

@@ -35,6 +35,7 @@ from torchtitan.checkpoint import hf_io
 from torchtitan.checkpoint import storage as io
 from torchtitan.checkpoint.trust import SafeFileSystemReader, SafeLoadPlanner
 from torchtitan.checkpoint.write_errors import CheckpointWriteError, make_step_folder
+from torchtitan.config.errors import ConfigError
 from torchtitan.models import MODELS
 from torchtitan.models.spec import FamilySpec
 from torchtitan.tools.fault_injection import Faults
@@ -194,6 +195,9 @@ def from_hf(
     source = hf_io.SafetensorsFolder(folder)
     adapter = spec.state_dict_adapter(args)
     assert adapter is not None
+    args = adapter.args_for_weights(source.names())  # modules config.json declares, weights lack
+    adapter = spec.state_dict_adapter(args)
+    assert adapter is not None
     first = adapter.to_hf_one("tok_embeddings.weight", torch.empty(0, device="meta"))[0][0]
     shapes = _model_shapes(spec, args, dtype or source.dtype(first))
     sd = sharded_empty(shapes, mesh)
@@ -283,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path = from_hf(a.hf_folder, a.output, a.model, a.step, a.flavor, dtype, a.verify)
             _say(f"wrote {path}")
+    except ConfigError as e:  # a config.json key we cannot compute (docs/hf_io.md): exit 2
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except CheckpointWriteError as e:  # a full disk or no permission: one line, exit 4
         print(f"error: {e}", file=sys.stderr)
         return 4

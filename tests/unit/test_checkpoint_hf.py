@@ -17,6 +17,7 @@ from torchtitan.checkpoint.storage import (
     write_model_weights,
 )
 from torchtitan.models.common.hf import StateDictAdapter
+from torchtitan.models.common.rope import Llama3Scaling
 from torchtitan.models.llama3.hf import LLAMA3_HF, args_from_hf_config
 from torchtitan.models.llama3.model import Transformer
 
@@ -25,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # GQA (8 query heads, 4 kv heads) and Llama 3.1 RoPE scaling, to exercise every conversion.
-ARGS = tiny_llama3(multiple_of=64, rope_scaling_factor=8.0, rope_original_max_seq_len=32)
+ARGS = tiny_llama3(multiple_of=64, rope_scaling=Llama3Scaling(8.0, original_max_seq_len=32))
 
 
 def test_rope_permutation_round_trips() -> None:
@@ -79,7 +80,7 @@ def test_hf_to_ours_to_hf_is_bit_identical(tmp_path: Path) -> None:
 
     config_in = json.loads((tmp_path / "hf_in" / "config.json").read_text())
     got_args = args_from_hf_config(config_in)
-    assert (got_args.rope_theta, got_args.rope_scaling_factor) == (500000.0, 8.0), got_args
+    assert (got_args.rope_theta, got_args.rope_scaling) == (500000.0, ARGS.rope_scaling), got_args
     assert got_args.hidden_dim == ARGS.hidden_dim and got_args.kv_heads == 4
     load("scripts/convert_to_hf.py").convert(
         tmp_path / "ck" / "step-0",

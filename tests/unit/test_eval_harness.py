@@ -5,6 +5,9 @@ every family; the local tasks and their one-line errors; request sharding."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +140,26 @@ def test_shard_batches_and_gather_restore_the_order() -> None:
     ]
     answers_ = [(i, x.upper()) for s in shares for b in s for i, x in b]
     assert gather(answers_, 7, None, 1) == [x.upper() for x in items]
+
+
+def test_stock_lm_eval_loads_the_shipped_tasks_from_another_cwd(tmp_path: Path) -> None:
+    """lm-eval itself (no torchtitan): its TaskManager over ``tests/assets/eval``, run from an
+    unrelated working directory, loads both tasks' documents (the YAMLs' ``custom_dataset``
+    reads the data files from the YAML's folder; scripts/make_eval_tasks.py)."""
+    include = Path("tests/assets/eval").resolve()
+    code = (
+        "from lm_eval.tasks import TaskManager, get_task_dict\n"
+        f"tm = TaskManager(include_path=[{str(include)!r}])\n"
+        f"tasks = get_task_dict({TASKS!r}, tm)\n"
+        "print(sorted((k, len(list(t.test_docs())), len(list(t.training_docs())))"
+        " for k, t in tasks.items()))\n"
+    )
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "cache")
+    env.pop("PYTHONPATH", None)  # nothing of ours on the path
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    last = run.stdout.strip().splitlines()[-1]
+    assert last == str(sorted((t, 56, 6) for t in TASKS)), last

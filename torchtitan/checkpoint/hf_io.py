@@ -27,6 +27,7 @@ import queue
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,9 @@ def load_hf_state_dict(
 ) -> Progress:
     """Fill the tensors of ``sd`` (our names; DTensors or plain) in place from ``folder``."""
     source = SafetensorsFolder(folder)
+    check = getattr(adapter, "check_source", None)  # e.g. layers the model needs are absent
+    if check is not None:
+        check(source, folder)
     # A tied head shares the embedding's storage (read once), or is a copy of its box.
     unique: dict[tuple[int, tuple[int, ...]], tuple[str, torch.Tensor]] = {}
     for key, t in sd.items():
@@ -295,10 +299,13 @@ def save_hf_streaming(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     group: Any = None,
     verbose: bool = False,
+    fetch: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> Progress:
     """Write ``sd`` (our names; DTensors or plain; the same keys in the same order on every
     rank holding them) as a sharded Hugging Face folder ``out`` plus ``config.json``, without
-    gathering the model anywhere; returns this rank's bytes written and time."""
+    gathering the model anywhere; returns this rank's bytes written and time. With ``fetch``
+    (one process), ``sd`` may hold ``meta`` tensors: each full tensor is ``fetch(key, t)``,
+    made only when it is written (``scripts/export_lora.py --merged`` streams a base this way)."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     writer_of = _assign_writers(_gather([(k, t.numel()) for k, t in sd.items()], group))
     mine = [k for k in sd if writer_of[k] == rank]
@@ -331,7 +338,7 @@ def save_hf_streaming(
         for key, t in sd.items():
             if adapter.exports_nothing(key):
                 continue
-            full = _assemble(t, writer_of[key])
+            full = _assemble(t, writer_of[key]) if fetch is None else fetch(key, t)
             if full is not None:
                 for hf, w in adapter.to_hf_one(key, full):
                     pending.put((hf, w.to(dtype) if dtype is not None else w))

@@ -287,7 +287,10 @@ class Lora:
     wv, wo; DeepSeek-V3's MLA wq/wq_a/wq_b/wkv_a/wkv_b/wo). Otherwise module-name patterns (fnmatch, matched against the module's name or a dotted suffix of it) that get adapters: nn.Linear projections or the stacked MoE experts of any family (feed_forward.experts)."""
 
     adapter_path: str = ""
-    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from, written for the same rank, alpha and use_rslora (docs/lora.md)."""
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start the adapters from, written for the same rank, alpha and use_rslora and, by default, for exactly the modules target_modules adapts: an adapter the folder has and the config leaves out, or the reverse, is refused before launch (docs/lora.md)."""
+
+    adapter_targets: Literal["config", "from_adapter"] = "config"
+    """Which modules get adapters when adapter_path is set: ``config`` (default) those of target_modules, which must be exactly the folder's; ``from_adapter`` every module the folder adapts (target_modules must then be empty)."""
 
     quantize_base: Literal["none", "nf4"] = "none"
     """Store the frozen base's adapted projections in NF4 (QLoRA, torchao): one process, FSDP (dp_shard) or PP; TP, CP and replication are refused (docs/lora.md)."""

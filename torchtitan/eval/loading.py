@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from torchtitan.checkpoint import storage as io
+from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
@@ -41,10 +42,17 @@ def load_weights(
         config, hf_sd = io.read_hf_folder(path)
         try:
             family, args = family_for_hf_config(config)
+        except ConfigError:  # a config.json key we cannot compute (docs/hf_io.md): exit 2
+            raise
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
         adapter = MODELS[family].state_dict_adapter(args)
         assert adapter is not None
+        fit = getattr(adapter, "args_for_weights", None)  # modules config.json declares that
+        if fit is not None:  # the weights lack (DeepSeek-V3's MTP layers): left out, logged
+            args = fit(hf_sd)
+            adapter = MODELS[family].state_dict_adapter(args)
+            assert adapter is not None
         return family, args, adapter.from_hf(hf_sd)
     if not (path / ".metadata").is_file():  # the checkpoint root: the newest valid step
         found = io.find_checkpoint(path, skip_exports=False)

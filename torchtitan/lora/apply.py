@@ -13,6 +13,8 @@ import dataclasses
 import fnmatch
 import math
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,9 +50,19 @@ def matches(fqn: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(fqn, p) or fnmatch.fnmatchcase(fqn, "*." + p) for p in patterns)
 
 
-def with_targets(cfg: Lora, spec: object) -> Lora:
+def with_targets(cfg: Lora, spec: Any, args: Any) -> Lora:
     """``cfg`` with its targets resolved: empty ``target_modules`` takes the family's
-    (``FamilySpec.lora_targets``; a spec without them adapts nothing, which is refused)."""
+    (``FamilySpec.lora_targets``; a spec without them adapts nothing, which is refused); with
+    ``adapter_targets = "from_adapter"`` the modules the PEFT folder ``adapter_path`` adapts
+    (``args``: the model shape, whose module names are matched)."""
+    if cfg.adapter_targets == "from_adapter" and cfg.adapter_path:
+        from torchtitan.lora.peft_io import targets_from_adapter
+
+        with torch.device("meta"):
+            model = spec.build(args)
+        adapter = spec.state_dict_adapter(args)
+        targets = targets_from_adapter(Path(cfg.adapter_path), adapter, model)
+        return dataclasses.replace(cfg, target_modules=targets)
     if cfg.target_modules:
         return cfg
     return dataclasses.replace(cfg, target_modules=list(getattr(spec, "lora_targets", ())))

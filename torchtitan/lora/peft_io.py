@@ -24,11 +24,16 @@ from torchtitan.config.job_config import Lora
 from torchtitan.lora.layers import is_adapter_name, lora_scaling
 
 __all__ = [
+    "AdapterMismatch",
+    "check_adapters",
+    "linear_modules",
     "load_into",
     "load_peft_adapters",
     "merge_adapters",
     "peft_config",
+    "peft_modules",
     "save_peft_adapters",
+    "targets_from_adapter",
     "to_peft",
 ]
 
@@ -157,23 +162,125 @@ def merge_adapters(sd: dict[str, torch.Tensor], cfg: Lora) -> dict[str, torch.Te
     return out
 
 
+class AdapterMismatch(ValueError):
+    """A PEFT folder that does not fit the ``[lora]`` settings; one line: the rule, then
+    ``fix`` (``preflight/validate_lora.py`` turns it into a ``ConfigError`` on
+    ``lora.adapter_path``)."""
+
+    def __init__(self, rule: str, fix: str) -> None:
+        self.rule, self.fix = rule, fix
+        super().__init__(f"{rule}. Fix: {fix}.")
+
+
+def _listed(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def peft_modules(folder: Path) -> list[str]:
+    """The transformers module names ``folder``'s ``adapter_model.safetensors`` adapts (a
+    ``lora_A`` and a ``lora_B`` each; PEFT's adapter name ``.default`` dropped)."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / _WEIGHTS), framework="pt") as f:
+        keys = {k.replace(".default", "") for k in f.keys()}  # noqa: SIM118
+    return sorted(
+        k.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+        for k in keys
+        if k.endswith(".lora_A.weight") and k.replace(".lora_A.", ".lora_B.") in keys
+    )
+
+
+def linear_modules(model: nn.Module, adapter: Any) -> dict[str, str]:
+    """transformers module name -> our module name, for every ``nn.Linear`` of ``model`` (a
+    model or one pipeline stage; adapted or not) that has a Hugging Face name."""
+    out: dict[str, str] = {}
+    for fqn, module in model.named_modules():
+        if not fqn or not isinstance(module, nn.Linear):
+            continue
+        name = _unwrapped(fqn)
+        try:
+            out[_hf_name(adapter, f"{name}.weight")[0]] = name
+        except KeyError:
+            continue
+    return out
+
+
+def targets_from_adapter(folder: Path, adapter: Any, model: nn.Module) -> list[str]:
+    """Our module names for every module ``folder`` adapts (``lora.adapter_targets =
+    "from_adapter"``); ``model``: the whole model, built without adapters."""
+    names = linear_modules(model, adapter)
+    theirs = peft_modules(folder)
+    unknown = [m for m in theirs if m not in names]
+    if unknown:
+        raise AdapterMismatch(
+            f"{folder} adapts {_listed(unknown)}, no nn.Linear projection of this model",
+            "use an adapter folder written for this model family and shape",
+        )
+    if not theirs:
+        raise AdapterMismatch(f"{folder / _WEIGHTS} holds no LoRA adapters", "fix the folder")
+    return sorted(names[m] for m in theirs)
+
+
+def check_adapters(folder: Path, adapter: Any, model: nn.Module, cfg: Lora) -> None:
+    """``AdapterMismatch`` unless ``folder`` has exactly the adapters of ``model`` (built with
+    ``cfg``'s adapters; a pipeline stage checks the modules it holds) and ``cfg``'s rank, alpha
+    and use_rslora."""
+    config = json.loads((folder / _CONFIG).read_text())
+    theirs = (int(config["r"]), float(config["lora_alpha"]), bool(config.get("use_rslora", False)))
+    ours = (cfg.rank, cfg.alpha, cfg.use_rslora)
+    if theirs != ours:
+        rank, alpha, rslora = theirs
+        raise AdapterMismatch(
+            f"{folder}: r={rank}, lora_alpha={alpha:g}, use_rslora={rslora}, but [lora] has "
+            f"rank={cfg.rank}, alpha={cfg.alpha:g}, use_rslora={cfg.use_rslora}",
+            f"set --lora.rank {rank} --lora.alpha {alpha:g}"
+            + (" --lora.use_rslora" if rslora else "")
+            + " (the adapters were trained with them)",
+        )
+    names = linear_modules(model, adapter)
+    with_lora = {_unwrapped(f) for f, m in model.named_modules() if hasattr(m, "lora_A")}
+    adapted = {hf for hf, ours_name in names.items() if ours_name in with_lora}
+    have = set(peft_modules(folder))
+    extra = sorted(m for m in have if m in names and m not in adapted)
+    missing = sorted(adapted - have)
+    if extra:
+        locals_ = sorted({_local(names[m]) for m in extra})
+        raise AdapterMismatch(
+            f"{folder} has adapters for {len(extra)} modules lora.target_modules leaves out: "
+            f"{_listed(extra)}",
+            f"add {','.join(locals_)} to --lora.target_modules, or load every adapter the "
+            "folder has with --lora.adapter_targets from_adapter",
+        )
+    if missing:
+        raise AdapterMismatch(
+            f"{folder} has no adapters for {len(missing)} modules lora.target_modules adapts: "
+            f"{_listed(missing)}",
+            "remove them from --lora.target_modules, or adapt what the folder has with "
+            "--lora.adapter_targets from_adapter",
+        )
+
+
+def _unwrapped(fqn: str) -> str:
+    return fqn.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def _local(name: str) -> str:
+    """``layers.3.attention.wq`` -> ``attention.wq`` (a target pattern for every layer)."""
+    parts = name.split(".")
+    return ".".join(parts[2:]) if len(parts) > 2 and parts[1].isdigit() else name
+
+
 def load_into(part: nn.Module, folder: Path, adapter: Any, cfg: Lora) -> int:
     """Start ``part``'s adapters (one model, or one pipeline stage; any parallel layout) from a
-    PEFT folder written for the same settings; returns the number of tensors loaded."""
+    PEFT folder written for the same settings and modules (``check_adapters``); returns the
+    number of tensors loaded."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    names = [
-        n.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
-        for n, _ in part.named_parameters()
-    ]
+    check_adapters(folder, adapter, part, cfg)
+    names = [_unwrapped(n) for n, _ in part.named_parameters()]
     modules = sorted(n.removesuffix(".lora_A") for n in names if n.endswith(".lora_A"))
-    got, theirs = load_peft_adapters(folder, adapter, modules)
-    ours = (cfg.rank, cfg.alpha, cfg.use_rslora)
-    if (theirs.rank, theirs.alpha, theirs.use_rslora) != ours:
-        raise ValueError(
-            f"lora.adapter_path {folder}: r={theirs.rank}, lora_alpha={theirs.alpha}, "
-            f"use_rslora={theirs.use_rslora}, but [lora] has rank, alpha, use_rslora = {ours}"
-        )
+    got, _ = load_peft_adapters(folder, adapter, modules)
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(part, dict[str, Any](got), options=options)
     return len(got)

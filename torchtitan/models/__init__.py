@@ -46,4 +46,55 @@ def model_title(cfg: Any) -> str:
     return title
 
 
-__all__ = ["MODELS", "ModelSpec", "family_for_hf_config", "model_title", "runtime_args"]
+def check_hf_config(family: str, config: Mapping[str, Any]) -> list[str]:
+    """Every key of a transformers ``config.json`` against ``family``'s key table
+    (``models/<family>/hf_keys.py``; docs/hf_io.md, "Config keys"): raises ``HFConfigError`` (a
+    ``ConfigError``: one line, exit 2) naming the first key whose value we cannot compute, the
+    value and what is supported; returns one warning per unknown key. ``args_from_hf`` runs it
+    on every import; call it where a folder's ``config.json`` is read without importing args."""
+    hf = getattr(MODELS[family], "hf", None)
+    return [] if hf is None else list(hf.config.check_keys(config))
+
+
+HONOURED_FIELDS = (
+    "rope_theta",
+    "rope_scaling",
+    "yarn",
+    "rope_factor",
+    "rope_original_max_seq_len",
+    "rope_beta_fast",
+    "rope_beta_slow",
+    "rope_mscale",
+    "rope_mscale_all_dim",
+    "sliding_window",
+    "window_layers",
+    "layer_types",
+    "tie_word_embeddings",
+    "norm_eps",
+)
+"""The args fields a ``config.json`` sets beyond the shapes (RoPE, attention windows, the tied
+head): a run that loads the folder into a flavor must agree on them."""
+
+
+def hf_config_mismatch(family: str, config: Mapping[str, Any], args: Any) -> str | None:
+    """Where a ``config.json`` (read into ``family``'s args, keys checked as in
+    :func:`check_hf_config`) and the run's ``args`` disagree on :data:`HONOURED_FIELDS`, one
+    phrase naming the field and both values; None when they agree."""
+    theirs = MODELS[family].hf.config.args_from_hf(config)  # type: ignore[attr-defined]
+    for name in HONOURED_FIELDS:
+        if hasattr(args, name) and getattr(theirs, name) != getattr(args, name):
+            return (
+                f"{name} is {getattr(theirs, name)!r} there, {getattr(args, name)!r} in the flavor"
+            )
+    return None
+
+
+__all__ = [
+    "MODELS",
+    "ModelSpec",
+    "check_hf_config",
+    "family_for_hf_config",
+    "hf_config_mismatch",
+    "model_title",
+    "runtime_args",
+]

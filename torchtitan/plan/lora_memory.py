@@ -60,7 +60,7 @@ _CACHE: dict[tuple, LoraCounts] = {}
 
 def lora_counts(model_name: str, args: object, lora: Lora) -> LoraCounts:
     """The counts for ``args`` (a flavor's shape) with ``lora``'s targets and rank (cached)."""
-    lora = with_targets(lora, MODELS[model_name])
+    lora = with_targets(lora, MODELS[model_name], args)
     key = (model_name, repr(args), tuple(lora.target_modules), lora.rank)
     if key not in _CACHE:
         _CACHE[key] = _counts(model_name, args, lora)

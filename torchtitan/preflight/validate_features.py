@@ -3,7 +3,9 @@ float8, observability and checkpointing (part of ``validate_config``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from torchtitan.checkpoint.manager import COMPONENTS
 from torchtitan.checkpoint.storage import complete_steps
@@ -13,7 +15,7 @@ from torchtitan.distributed.activation_checkpoint import parse_selective_option
 from torchtitan.distributed.float8 import float8_unsupported_reason
 from torchtitan.distributed.pipeline_plan import SCHEDULES, normalize_schedule_name
 from torchtitan.distributed.utils import device_type
-from torchtitan.models import MODELS
+from torchtitan.models import MODELS, hf_config_mismatch
 
 
 def validate_speed_features(cfg: JobConfig) -> None:
@@ -205,6 +207,8 @@ def validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
                 "holds no *.safetensors files (initial_load_in_hf is set)",
                 "point it at a Hugging Face model folder",
             )
+        if spec is not None and flavor is not None:
+            _check_hf_config_json(Path(ck.initial_load_path), cfg.model.name, flavor)
     if ck.async_mode == "async_with_pinned_mem" and device_type() != "cuda":
         raise ConfigError(
             "checkpoint.async_mode",
@@ -305,4 +309,31 @@ def validate_attention(cfg: JobConfig, cp: int) -> None:
             "ring",
             "torch's ring attention has no document mask, so block_causal cannot run on it",
             "use --parallelism.context_parallel_method allgather, or attn_mask_type causal",
+        )
+
+
+def _check_hf_config_json(folder: Path, family: str, flavor: Any) -> None:
+    """The folder's ``config.json`` keys (docs/hf_io.md, "Config keys": a value we cannot
+    compute is refused, an unknown key warned about) and the RoPE / window / tied-head fields it
+    sets against the flavor's, which the run builds: a difference would be dropped silently."""
+    path = folder / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # no readable config.json: the weights' names and shapes are checked on load
+    if not isinstance(config, dict):
+        return
+    try:
+        problem = hf_config_mismatch(family, config, flavor)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        problem = f"it does not describe a {family} model ({e})"
+    if problem is not None:
+        raise ConfigError(
+            "checkpoint.initial_load_path",
+            str(folder),
+            f"config.json: {problem}; the run builds model.flavor and would drop it",
+            "pick the flavor with those settings, or convert the folder with python -m "
+            "torchtitan.convert from-hf and check its args",
         )

@@ -2,7 +2,9 @@
 name adaptable modules of the model (checked on a ``meta`` build), and the combinations not
 built are refused with the reason: QLoRA's NF4 base in a parallel layout, adapters with float8
 linears, a DCP ``initial_load_path`` (checkpoints hold adapters only, so the base must come from
-Hugging Face or the seed), and adapters on the output head under the chunked loss."""
+Hugging Face or the seed), and adapters on the output head under the chunked loss; a PEFT
+``adapter_path`` must hold exactly the adapters built, at the same rank, alpha and use_rslora
+(``lora/peft_io.py: check_adapters``; ``adapter_targets = "from_adapter"`` builds the folder's)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torchtitan.config.job_config import JobConfig, Lora
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.lora.apply import apply_lora, with_targets
 from torchtitan.lora.layers import LoRALinear
+from torchtitan.lora.peft_io import AdapterMismatch, check_adapters
 from torchtitan.lora.qlora import nf4_shard_problem
 from torchtitan.models import MODELS
 
@@ -50,6 +53,16 @@ def validate_lora(cfg: JobConfig, dims: ParallelDims) -> None:
             "must be a PEFT folder holding adapter_config.json",
             "point it at a folder written by scripts/export_lora.py or PEFT's save_pretrained",
         )
+    if lo.adapter_targets == "from_adapter" and (folder is None or lo.target_modules):
+        raise ConfigError(
+            "lora.adapter_targets",
+            lo.adapter_targets,
+            "takes the targets from lora.adapter_path's folder: it needs that folder and an "
+            f"empty lora.target_modules (adapter_path {lo.adapter_path!r}, target_modules "
+            f"{lo.target_modules})",
+            "set --lora.adapter_path to a PEFT folder and leave lora.target_modules empty, or "
+            "use --lora.adapter_targets config",
+        )
     _check_targets(cfg, lo, dims)
 
 
@@ -59,13 +72,21 @@ _FIX = "use e.g. attention.wq,attention.wv or feed_forward.experts (docs/lora.md
 def _check_targets(cfg: JobConfig, lo: Lora, dims: ParallelDims) -> None:
     spec = MODELS[cfg.model.name]
     args = spec.flavors[cfg.model.flavor]  # the shapes decide what matches
-    lo = with_targets(lo, spec)
+    try:
+        lo = with_targets(lo, spec, args)
+    except AdapterMismatch as e:
+        raise ConfigError("lora.adapter_path", lo.adapter_path, e.rule, e.fix) from None
     with torch.device("meta"):
         model = spec.build(args)
     try:
         adapted = apply_lora(model, lo)
     except ValueError as e:
         raise ConfigError("lora.target_modules", lo.target_modules, str(e), _FIX) from None
+    if lo.adapter_path:  # its adapters must be exactly the ones built, at the same rank
+        try:
+            check_adapters(Path(lo.adapter_path), spec.state_dict_adapter(args), model, lo)
+        except AdapterMismatch as e:
+            raise ConfigError("lora.adapter_path", lo.adapter_path, e.rule, e.fix) from None
     output = spec.parallel_plan(args).tensor_parallel.output
     if cfg.training.loss_chunk_size > 0 and output in adapted:
         raise ConfigError(

@@ -27,6 +27,7 @@ from torch import nn
 __all__ = [
     "AttentionCore",
     "AttentionMask",
+    "allowed_keys",
     "MaskMod",
     "OptMask",
     "build_attention_mask",
@@ -58,6 +59,23 @@ def dense_mask(
     b = torch.arange(batch, device=q_idx.device)[:, None, None, None]
     h = torch.zeros((), dtype=torch.int64, device=q_idx.device)
     return mask_mod(b, h, q_idx[None, None, :, None], kv_idx[None, None, None, :])
+
+
+def allowed_keys(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, doc_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """Bool ``[B or 1, 1, Lq, Lk]``: key ``k_pos[j]`` visible to query ``q_pos[i]`` (causal,
+    within ``window`` when set: ``0 <= i - j < window``, same document when ``doc_ids``
+    (``[B, S]``) are given). The sliding-window mask of GPT-OSS and Qwen3."""
+    dist = q_pos[:, None] - k_pos[None, :]
+    keep = dist >= 0
+    if window is not None:
+        keep = keep & (dist < window)
+    keep = keep[None, None]
+    if doc_ids is not None:
+        same = doc_ids[:, q_pos][:, :, None] == doc_ids[:, k_pos][:, None, :]
+        keep = keep & same[:, None]
+    return keep
 
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -138,12 +156,22 @@ class AttentionCore(nn.Module):
 
     Causal SDPA without a mask; with an :class:`AttentionMask`, FlexAttention over its
     ``BlockMask`` when it has one, else SDPA with the same mask made dense (exact, with
-    backward on every device). A module of its own so context parallel can replace it.
+    backward on every device). With ``window`` (Qwen3's sliding window) SDPA with the dense
+    :func:`allowed_keys` mask (window and documents), on every backend. A module of its own so
+    context parallel can replace it (families with a window offer no CP).
     """
+
+    def __init__(self, window: int | None = None) -> None:
+        super().__init__()
+        self.window = window
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: OptMask = None
     ) -> torch.Tensor:
+        if self.window is not None:
+            pos = torch.arange(q.shape[2], device=q.device)
+            keep = allowed_keys(pos, pos, self.window, None if mask is None else mask.doc_ids)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         if mask.block_mask is not None:

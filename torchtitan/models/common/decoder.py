@@ -27,12 +27,14 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchtitan.distributed.init_weights import ParamInit, init_params_deterministic
 from torchtitan.models.common.attention import (
     AttentionCore,
     OptMask,
+    allowed_keys,
     build_attention_mask,
 )
 from torchtitan.models.common.kv_cache import KVCache, LayerKVCache, OptCache
@@ -54,7 +56,8 @@ class DecoderArgs(Protocol):
 class Attention(nn.Module):
     """Multi-head attention with grouped-query key/value heads and rotary embeddings; with
     ``qk_norm_eps`` set, queries and keys get a per-head RMSNorm before RoPE (QK-norm); ``bias``
-    gives the four projections biases (GPT-OSS)."""
+    gives the four projections biases (GPT-OSS); ``window`` limits each query to that many keys
+    back (Qwen3's sliding window, ``attention.py: allowed_keys``)."""
 
     def __init__(
         self,
@@ -64,6 +67,7 @@ class Attention(nn.Module):
         head_dim: int,
         qk_norm_eps: float | None = None,
         bias: bool = False,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
@@ -76,7 +80,7 @@ class Attention(nn.Module):
         if qk_norm_eps is not None:
             self.q_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
             self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
-        self.core = AttentionCore()
+        self.core = AttentionCore(window)
 
     def forward(
         self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: OptMask = None, cache: OptCache = None
@@ -101,7 +105,13 @@ class Attention(nn.Module):
     def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Generation: the newest queries over every cached key (``kv_cache.py``); a family
         whose core is not plain causal attention overrides it."""
-        return LayerKVCache.attend(q, k, v)
+        window = getattr(self.core, "window", None)
+        if window is None:
+            return LayerKVCache.attend(q, k, v)
+        s_q, s_k = q.shape[2], k.shape[2]
+        q_pos = torch.arange(s_k - s_q, s_k, device=q.device)
+        keep = allowed_keys(q_pos, torch.arange(s_k, device=q.device), window, None)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
 
 
 class TransformerBlock(nn.Module):

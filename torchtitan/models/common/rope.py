@@ -111,6 +111,69 @@ class YarnScaling:
         return (1.0 / (self.factor * base)) * (1 - keep) + (1.0 / base) * keep
 
 
+@dataclass(frozen=True)
+class LinearScaling:
+    """Position interpolation (Hugging Face's ``rope_type: linear``): every frequency divided
+    by ``factor``, as if positions were ``p / factor``."""
+
+    factor: float
+    magnitude = 1.0
+
+    def inv_freq(
+        self, head_dim: int, theta: float, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        return base_inv_freq(head_dim, theta, device) / self.factor
+
+
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's long-context frequency scaling (``rope_type: llama3``; :func:`_scale_rope_freqs`)."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+    magnitude = 1.0
+
+    def inv_freq(
+        self, head_dim: int, theta: float, device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        freqs = base_inv_freq(head_dim, theta, device)
+        return _scale_rope_freqs(
+            freqs,
+            self.factor,
+            self.low_freq_factor,
+            self.high_freq_factor,
+            self.original_max_seq_len,
+        )
+
+
+RopeScaling = LinearScaling | Llama3Scaling | YarnScaling
+"""The RoPE scalings of Llama 3 and Qwen3 (each gives ``inv_freq`` and the cos/sin
+``magnitude``); None is plain RoPE."""
+
+
+def base_inv_freq(
+    head_dim: int, theta: float, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Unscaled inverse frequencies ``theta ** (-2i / head_dim)``, ``float32 [head_dim // 2]``."""
+    exponents = torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def scaled_freqs_cis(
+    head_dim: int,
+    end: int,
+    theta: float,
+    scaling: RopeScaling | None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The RoPE table ``complex64 [end, head_dim // 2]`` with ``scaling`` (None: plain)."""
+    if scaling is None:
+        return rope_table(base_inv_freq(head_dim, theta, device), end)
+    return rope_table(scaling.inv_freq(head_dim, theta, device), end, scaling.magnitude)
+
+
 def precompute_yarn_freqs_cis(
     head_dim: int,
     end: int,

@@ -43,6 +43,9 @@ class DeepSeekV3Args(DecoderArgsBase):
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    attention_bias: bool = False
+    """Biases on ``wq_a``, ``wkv_a`` and ``wo`` (HF ``attention_bias``; transformers puts them on
+    ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``, none on ``q_proj``/``q_b_proj``/``kv_b_proj``)."""
 
     intermediate_size: int = 10944
     """Hidden width of the dense SwiGLU of the first ``n_dense_layers`` blocks."""
@@ -117,7 +120,8 @@ class DeepSeekV3Args(DecoderArgsBase):
             q = d * h * qk
         r = self.kv_lora_rank
         kv = d * (r + self.qk_rope_head_dim) + r + r * h * (self.qk_nope_head_dim + self.v_head_dim)
-        return q + kv + h * self.v_head_dim * d
+        biases = (self.q_lora_rank + r + self.qk_rope_head_dim + d) if self.attention_bias else 0
+        return q + kv + h * self.v_head_dim * d + biases
 
     def _ffn_params(self, layer_id: int, active: bool) -> int:
         if self.moe is not None and self.is_moe_layer(layer_id):

@@ -18,11 +18,13 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.models.common.hf import ConfigField, ExpertStack, HFConfig, HFMapping
 from torchtitan.models.common.hf import StateDictAdapter as SharedAdapter
 from torchtitan.models.common.hf.decoder import (
@@ -35,8 +37,11 @@ from torchtitan.models.common.hf.decoder import (
     yarn_from_hf,
     yarn_to_hf,
 )
+from torchtitan.models.common.hf.mapping import Box, HFSource, box_shape
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
+from torchtitan.models.deepseek_v3.hf_keys import DEEPSEEK_V3_KEYS
+from torchtitan.tools.logging import logger
 
 MLA_NAMES = {
     f"attention.{ours}.weight": f"self_attn.{hf}.weight"
@@ -51,6 +56,11 @@ MLA_NAMES = {
         "wo": "o_proj",
     }.items()
 }
+MLA_BIASES = {
+    f"attention.{ours}.bias": f"self_attn.{hf}.bias"
+    for ours, hf in {"wq_a": "q_a_proj", "wkv_a": "kv_a_proj_with_mqa", "wo": "o_proj"}.items()
+}
+"""``attention_bias: true``: transformers' biases (none on ``q_proj``, ``q_b_proj``, ``kv_b_proj``)."""
 MOE_NAMES = {
     "moe.router.gate.weight": "mlp.gate.weight",
     "moe.router.expert_bias": "mlp.gate.e_score_correction_bias",
@@ -137,6 +147,11 @@ class _RopeSection:
         return out
 
 
+def _mtp_layers(config: Mapping[str, Any]) -> int:
+    # transformers' attribute name for it (``attribute_map``), should a config carry that one.
+    return int(config.get("num_mtp_layers") or 0)
+
+
 _CONFIG = HFConfig(
     make_args=DeepSeekV3Args,
     constants=decoder_constants("DeepseekV3ForCausalLM", "deepseek_v3"),
@@ -147,14 +162,16 @@ _CONFIG = HFConfig(
         ConfigField("qk_nope_head_dim", "qk_nope_head_dim"),
         ConfigField("qk_rope_head_dim", "qk_rope_head_dim"),
         ConfigField("v_head_dim", "v_head_dim"),
-        ConfigField("num_nextn_predict_layers", "mtp_depth", default=0),
+        ConfigField("attention_bias", "attention_bias", default=False),
+        ConfigField("num_nextn_predict_layers", "mtp_depth", default=_mtp_layers),
     ),
     sections=(_MoESection(), _RopeSection()),
+    keys=DEEPSEEK_V3_KEYS,
 )
 
 DEEPSEEK_V3_HF = HFMapping(
     top=DECODER_TOP,
-    layer={**MLA_NAMES, **BLOCK_NORMS, **SWIGLU, **MOE_NAMES},
+    layer={**MLA_NAMES, **MLA_BIASES, **BLOCK_NORMS, **SWIGLU, **MOE_NAMES},
     transforms={},
     experts=ExpertStack(
         ours="moe.experts", fused={"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
@@ -166,30 +183,101 @@ the MTP layers)."""
 
 
 class DeepSeekV3Adapter(SharedAdapter):
-    """The shared adapter, plus the MTP modules as HF layers ``n_layers + k``."""
+    """The shared adapter, plus the MTP modules as HF layers ``n_layers + k``: whole state dicts
+    (``to_hf``/``from_hf``) and one tensor or box at a time (``to_hf_one``/``from_hf_box``, the
+    streamed import and export of ``checkpoint/hf_io.py``)."""
 
     def __init__(self, mapping: HFMapping, args: DeepSeekV3Args) -> None:
         super().__init__(mapping, args)
         self._mtp = re.compile(r"^mtp\.(\d+)\.(.+)$")
 
-    def to_hf(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        main = {k: v for k, v in sd.items() if not k.startswith("mtp.")}
-        out = super().to_hf(main)
+    def _mtp_layer(self, key: str) -> tuple[int, str] | None:
+        """(HF layer index, name inside the module) of our MTP tensor ``key``, else None."""
+        found = self._mtp.match(key)
+        return None if found is None else (self.args.n_layers + int(found[1]), found[2])
+
+    def to_hf_one(
+        self, key: str, w: torch.Tensor, check: bool = True
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The shared mapping; an MTP tensor under its layer ``n_layers + k``; the embedding
+        (and the untied head) also as each MTP layer's copy (``embed_tokens``,
+        ``shared_head.head``), as the release stores them."""
+        found = self._mtp_layer(key)
+        if found is None:
+            return super().to_hf_one(key, w, check) + self._copies(key, w)
+        layer, name = found
+        if name.startswith("block."):  # the block's tensors under the layer's HF names
+            return super().to_hf_one(f"layers.{layer}.{name.removeprefix('block.')}", w, check)
+        if name not in MTP_NAMES:
+            raise KeyError(f"no Hugging Face name for {key!r}")
+        return [(f"model.layers.{layer}.{MTP_NAMES[name]}", w)]
+
+    def _copies(self, key: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        hf = [n for n, ours in MTP_SHARED_COPIES.items() if ours == key]
+        if self._tied and key == self.mapping.tied[1]:  # the head is the embedding
+            hf.append("shared_head.head.weight")
         n = self.args.n_layers
-        for key, w in sd.items():
-            found = self._mtp.match(key)
-            if found is None:
-                continue
-            layer, name = n + int(found.group(1)), found.group(2)
-            if name.startswith("block."):  # the block's tensors under the layer's HF names
-                block = super().to_hf({f"layers.{layer}.{name.removeprefix('block.')}": w})
-                out.update(block)
-            else:
-                out[f"model.layers.{layer}.{MTP_NAMES[name]}"] = w
-        for k in range(self.args.mtp_depth):
-            for hf, ours in MTP_SHARED_COPIES.items():
-                out[f"model.layers.{n + k}.{hf}"] = sd[ours].clone()  # saved apart
-        return out
+        # Cloned: saved apart (safetensors refuses tensors sharing storage).
+        return [
+            (f"model.layers.{n + k}.{h}", w.clone()) for k in range(self.args.mtp_depth) for h in hf
+        ]
+
+    def from_hf_box(
+        self, key: str, shape: tuple[int, ...], box: Box, source: HFSource
+    ) -> torch.Tensor:
+        found = self._mtp_layer(key)
+        if found is None:
+            return super().from_hf_box(key, shape, box, source)
+        layer, name = found
+        if name.startswith("block."):
+            inner = f"layers.{layer}.{name.removeprefix('block.')}"
+            return super().from_hf_box(inner, shape, box, source)
+        if name not in MTP_NAMES:
+            raise KeyError(f"no Hugging Face name for {key!r}")
+        if any(s.stop <= s.start for s in box):
+            return torch.empty(box_shape(box))
+        return source.read(f"model.layers.{layer}.{MTP_NAMES[name]}", box)
+
+    def mtp_layers_in(self, names: Iterable[str]) -> int:
+        """How many of our ``mtp_depth`` MTP layers the HF tensor ``names`` hold (from the
+        first: layers ``n_layers``, ``n_layers + 1``, ...)."""
+        have, n = set(names), self.args.n_layers
+        depth = 0
+        while depth < self.args.mtp_depth and f"model.layers.{n + depth}.eh_proj.weight" in have:
+            depth += 1
+        return depth
+
+    def args_for_weights(self, names: Iterable[str]) -> DeepSeekV3Args:
+        """The args for a folder holding the HF tensor ``names`` (the converter's and the
+        evaluation's import, whose args come from its ``config.json``): a config that declares
+        MTP layers the weights lack (transformers' ``save_pretrained`` writes
+        ``num_nextn_predict_layers: 1`` and no MTP weights) imports the trunk with the MTP
+        layers present, and says so (docs/deepseek_v3.md, "Hugging Face")."""
+        present = self.mtp_layers_in(names)
+        if present == self.args.mtp_depth:
+            return self.args
+        logger.warning(
+            f"deepseek_v3: config.json declares num_nextn_predict_layers={self.args.mtp_depth} "
+            f"but the weights hold {present} multi-token-prediction layers (model.layers."
+            f"{self.args.n_layers + present}.* is absent): importing mtp_depth={present}"
+        )
+        return replace(self.args, mtp_depth=present)
+
+    def check_source(self, source: HFSource, folder: Any) -> None:
+        """Before the streamed import reads a byte: a model with MTP modules (``mtp_depth``)
+        needs their layers in the folder; a folder without them is refused in one line rather
+        than leaving the modules uninitialised."""
+        depth, n = self.args.mtp_depth, self.args.n_layers
+        have = sum(f"model.layers.{n + k}.eh_proj.weight" in source for k in range(depth))
+        if have < depth:
+            raise ConfigError(
+                "model.mtp_depth",
+                depth,
+                f"{folder} holds {have} multi-token-prediction layers (model.layers.{n + have}"
+                ".eh_proj.weight is absent; transformers' save_pretrained writes none)",
+                f"set --model.mtp_depth {have} (0: train without MTP), or load a folder with "
+                "the MTP layers (the published DeepSeek-V3 checkpoints hold them)",
+            )
 
     def from_hf(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         n, depth = self.args.n_layers, self.args.mtp_depth

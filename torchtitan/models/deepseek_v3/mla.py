@@ -5,6 +5,7 @@ ordinary multi-head attention (``models/common/attention.py``'s swappable core, 
 parallel and the document mask work unchanged):
 
 * queries: ``wq`` (``q_lora_rank`` 0) or ``wq_b(q_norm(wq_a(x)))``, ``[B, S, H, nope + rope]``;
+* ``attention_bias``: ``wq_a``, ``wkv_a`` and ``wo`` have biases (transformers' placement);
 * keys/values: ``wkv_a(x)`` gives the latent ``c`` (``kv_lora_rank``, normalized by
   ``kv_norm``) and one rotated key ``k_rope`` shared by all heads; ``wkv_b(c)`` gives each
   head's non-rotated key and its value (``v_head_dim``);
@@ -43,20 +44,21 @@ class MLA(nn.Module):
         self.nope, self.rope, self.v_dim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
         self.kv_rank = a.kv_lora_rank
         qk = a.head_dim
+        bias = a.attention_bias  # transformers' placement: q_a_proj, kv_a_proj_with_mqa, o_proj
         self.wq: nn.Linear | None = None
         self.wq_a: nn.Linear | None = None
         self.q_norm: nn.RMSNorm | None = None
         self.wq_b: nn.Linear | None = None
         if a.q_lora_rank:
-            self.wq_a = nn.Linear(a.dim, a.q_lora_rank, bias=False)
+            self.wq_a = nn.Linear(a.dim, a.q_lora_rank, bias=bias)
             self.q_norm = nn.RMSNorm(a.q_lora_rank, eps=LATENT_NORM_EPS)
             self.wq_b = nn.Linear(a.q_lora_rank, a.n_heads * qk, bias=False)
         else:
             self.wq = nn.Linear(a.dim, a.n_heads * qk, bias=False)
-        self.wkv_a = nn.Linear(a.dim, self.kv_rank + self.rope, bias=False)
+        self.wkv_a = nn.Linear(a.dim, self.kv_rank + self.rope, bias=bias)
         self.kv_norm = nn.RMSNorm(self.kv_rank, eps=LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.kv_rank, a.n_heads * (self.nope + self.v_dim), bias=False)
-        self.wo = nn.Linear(a.n_heads * self.v_dim, a.dim, bias=False)
+        self.wo = nn.Linear(a.n_heads * self.v_dim, a.dim, bias=bias)
         self.rope_key = nn.Identity()
         """Where tensor parallel gathers the rotated key's sequence (``parallel_plan.py``)."""
         self.core = AttentionCore()

@@ -67,6 +67,9 @@ _MLA_INIT = {
     "attention.wkv_a.weight": "in",
     "attention.wkv_b.weight": "in",
     "attention.kv_norm.weight": "one",
+    "attention.wq_a.bias": "zero",  # attention_bias
+    "attention.wkv_a.bias": "zero",
+    "attention.wo.bias": "zero",
 }
 BLOCK_INIT_V3: Mapping[str, str] = {
     **BLOCK_INIT,
@@ -257,7 +260,9 @@ class Transformer(Decoder):
             if kind == "out":
                 layer = self.args.n_layers + int(depth) + 1
                 return ParamInit("trunc_normal", std=0.02 / math.sqrt(2 * layer))
-            return ParamInit("ones") if kind == "one" else ParamInit("trunc_normal", std=0.02)
+            if kind in ("one", "zero"):
+                return ParamInit("ones" if kind == "one" else "zeros")
+            return ParamInit("trunc_normal", std=0.02)
         if rest == "eh_proj.weight":
             return ParamInit("trunc_normal", std=0.02)
         return ParamInit("ones")  # enorm, hnorm, norm

@@ -25,28 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan.models.common.attention import OptMask, document_causal_mask_mod
+from torchtitan.models.common.attention import OptMask, allowed_keys, document_causal_mask_mod
 from torchtitan.models.common.decoder import Attention
 from torchtitan.models.common.moe_experts import local_weight
 from torchtitan.models.gpt_oss.args import GptOssArgs
 
 __all__ = ["GptOssAttention", "SinkAttentionCore", "allowed_keys"]
-
-
-def allowed_keys(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, doc_ids: torch.Tensor | None
-) -> torch.Tensor:
-    """Bool ``[B or 1, 1, Lq, Lk]``: key ``k_pos[j]`` visible to query ``q_pos[i]`` (causal,
-    within ``window`` when set, same document when ``doc_ids`` (``[B, S]``) are given)."""
-    dist = q_pos[:, None] - k_pos[None, :]
-    keep = dist >= 0
-    if window is not None:
-        keep = keep & (dist < window)
-    keep = keep[None, None]
-    if doc_ids is not None:
-        same = doc_ids[:, q_pos][:, :, None] == doc_ids[:, k_pos][:, None, :]
-        keep = keep & same[:, None]
-    return keep
 
 
 def eager_sink_attention(

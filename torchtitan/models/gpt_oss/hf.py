@@ -7,6 +7,12 @@
 - the experts are stored as HF holds them (``mlp.experts.gate_up_proj [E, dim, 2H]`` with gate
   and up interleaved, its bias, ``down_proj [E, H, dim]``, its bias): renamed, not transformed;
 - the auxiliary-loss-free routing bias has no HF counterpart: it must be zero to export;
+- ``router_aux_loss_coef`` is neither imported nor exported: it weights transformers'
+  load-balancing loss (one ``E * sum_e f_e * P_e`` over the router logits of every layer and
+  token together, only with ``output_router_logits``), whose gradients differ from our per-layer,
+  per-sequence auxiliary loss (``models/common/moe.py``), so taking its value for ours would train a different objective. An imported model has our
+  auxiliary loss off (``--model.moe_aux_loss_coef C`` turns it on, docs/moe.md); an export keeps
+  transformers' default;
 - ``config.json``: ``layer_types``, ``sliding_window``, the YaRN ``rope_parameters``, the
   experts' fields and the SwiGLU clamp. MXFP4-quantized checkpoints (the published
   ``*_blocks``/``*_scales`` tensors) are refused: dequantize them with transformers first.
@@ -20,9 +26,10 @@ from typing import Any
 from torchtitan.models.common.hf import ConfigField, HFConfig, HFMapping, OursOnly
 from torchtitan.models.common.hf import decoder as hf_decoder
 from torchtitan.models.common.hf.mapping import RopeRows
+from torchtitan.models.common.hf.rope import rope_params, yarn_from_params
 from torchtitan.models.common.moe import MoEArgs
-from torchtitan.models.common.rope import YarnScaling
 from torchtitan.models.gpt_oss.args import GptOssArgs, alternating_layers
+from torchtitan.models.gpt_oss.hf_keys import GPT_OSS_KEYS
 
 
 class _ShapeSection:
@@ -45,7 +52,6 @@ class _ShapeSection:
             "num_local_experts": m.num_experts,
             "num_experts_per_tok": m.top_k,
             "intermediate_size": m.expert_dim,
-            "router_aux_loss_coef": m.aux_loss_coef,
         }
 
     def from_hf(self, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -54,13 +60,14 @@ class _ShapeSection:
                 "quantized GPT-OSS checkpoint (MXFP4 *_blocks/*_scales): dequantize it with "
                 "transformers (Mxfp4Config(dequantize=True)) and save it in bf16 first"
             )
-        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope = rope_params(config)  # transformers: rope_scaling wins over rope_parameters
         kwargs: dict[str, Any] = {
             "moe": MoEArgs(
                 num_experts=int(config.get("num_local_experts") or config["num_experts"]),
                 top_k=config["num_experts_per_tok"],
                 expert_dim=config["intermediate_size"],
-                aux_loss_coef=config.get("router_aux_loss_coef", 0.0),
+                # Not ``router_aux_loss_coef``: see the module docstring.
+                aux_loss_coef=0.0,
             )
         }
         types = tuple(config.get("layer_types") or ())
@@ -68,11 +75,7 @@ class _ShapeSection:
             kwargs["layer_types"] = types  # None stands for the published alternation
         rope_type = rope.get("rope_type", "default")
         if rope_type == "yarn":
-            kwargs["yarn"] = YarnScaling(
-                **hf_decoder.yarn_from_hf(rope),
-                truncate=bool(rope.get("truncate", True)),
-                attention_factor=rope.get("attention_factor"),
-            )
+            kwargs["yarn"] = yarn_from_params(rope, config)
         elif rope_type == "default":
             kwargs["yarn"] = None
         else:
@@ -93,6 +96,7 @@ _CONFIG = HFConfig(
         ConfigField("swiglu_alpha", "swiglu_alpha", default=1.702),
     ),
     sections=(_ShapeSection(),),
+    keys=GPT_OSS_KEYS,
 )
 
 _BIASES = {

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from torchtitan.models.common.args import DecoderArgsBase, flavor_table
+from torchtitan.models.common.rope import Llama3Scaling, RopeScaling
 
 
 @dataclass
@@ -24,19 +25,9 @@ class ModelArgs(DecoderArgsBase):
     ffn_dim_multiplier: float | None = None
     """Optional factor applied to the SwiGLU hidden width before rounding (see ``hidden_dim``)."""
 
-    rope_scaling_factor: float | None = None
-    """Llama 3.1/3.2 RoPE frequency scaling factor (long context); ``None`` disables the scaling."""
-
-    rope_low_freq_factor: float = 1.0
-    """RoPE scaling: wavelengths above ``rope_original_max_seq_len / rope_low_freq_factor`` are
-    divided by the full scaling factor."""
-
-    rope_high_freq_factor: float = 4.0
-    """RoPE scaling: wavelengths below ``rope_original_max_seq_len / rope_high_freq_factor`` are
-    left unchanged; those in between are interpolated smoothly."""
-
-    rope_original_max_seq_len: int = 8192
-    """RoPE scaling: the context length the unscaled frequencies were trained for."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency scaling (``models/common/rope.py``): Llama 3.1's ``Llama3Scaling`` (the
+    published long-context flavors), ``LinearScaling`` or ``YarnScaling``; None: plain RoPE."""
 
     depth_init: bool = True
     """Scale the init std of the residual-branch output projections (wo, w2, w3) by the block's
@@ -59,7 +50,7 @@ class ModelArgs(DecoderArgsBase):
 
 
 _COLUMNS: tuple[str, ...] = ("dim", "n_layers", "n_heads", "ffn_dim_multiplier", "multiple_of")
-_COLUMNS += ("rope_scaling_factor", "tie_word_embeddings")
+_COLUMNS += ("rope_scaling", "tie_word_embeddings")
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, max_seq_len=2048),
@@ -67,10 +58,10 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
         ModelArgs,
         _COLUMNS,
         {
-            "1B": (2048, 16, 32, 1.5, 256, 32.0, True),  # shaped like Llama 3.2 1B
-            "8B": (4096, 32, 32, 1.3, 1024, 8.0, False),
-            "70B": (8192, 80, 64, 1.3, 4096, 8.0, False),
-            "405B": (16384, 126, 128, 1.2, 4096, 8.0, False),
+            "1B": (2048, 16, 32, 1.5, 256, Llama3Scaling(32.0), True),  # shaped like Llama 3.2 1B
+            "8B": (4096, 32, 32, 1.3, 1024, Llama3Scaling(8.0), False),
+            "70B": (8192, 80, 64, 1.3, 4096, Llama3Scaling(8.0), False),
+            "405B": (16384, 126, 128, 1.2, 4096, Llama3Scaling(8.0), False),
         },
         n_kv_heads=8,
         rope_theta=500000.0,

@@ -1,6 +1,7 @@
 """Llama 3's Hugging Face format (``LlamaForCausalLM``), declared for the shared adapter
 (``models/common/hf/``; docs/extending.md, section 5): the Llama-style names, the RoPE row
-permutation of ``wq``/``wk``, and the config translation, Llama 3.1's ``rope_scaling`` included.
+permutation of ``wq``/``wk``, and the config translation, RoPE scaling included (``models/common/hf/rope.py``) and every key
+checked (``hf_keys.py``).
 The SwiGLU width is read back as ``multiple_of = intermediate_size``, so any width round-trips.
 """
 
@@ -19,41 +20,20 @@ from torchtitan.models.common.hf.decoder import (
     decoder_constants,
     decoder_fields,
 )
+from torchtitan.models.common.hf.keys import HFConfigError
+from torchtitan.models.common.hf.rope import RopeSection
 from torchtitan.models.llama3.args import ModelArgs
-
-
-class _RopeScaling:
-    """``rope_scaling`` (``rope_type: llama3``) <-> the ``rope_*`` scaling fields."""
-
-    def to_hf(self, a: ModelArgs) -> dict[str, Any]:
-        if a.rope_scaling_factor is None:
-            return {"rope_scaling": None}
-        scaling = {
-            "rope_type": "llama3",
-            "factor": a.rope_scaling_factor,
-            "low_freq_factor": a.rope_low_freq_factor,
-            "high_freq_factor": a.rope_high_freq_factor,
-            "original_max_position_embeddings": a.rope_original_max_seq_len,
-        }
-        return {"rope_scaling": scaling}
-
-    def from_hf(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        # transformers >= 5 writes ``rope_parameters``; older ones ``rope_scaling``.
-        rope = config.get("rope_parameters") or {}
-        scaling = config.get("rope_scaling") or (rope if rope.get("rope_type") == "llama3" else {})
-        return {
-            "rope_scaling_factor": scaling.get("factor") if scaling else None,
-            "rope_low_freq_factor": scaling.get("low_freq_factor", 1.0),
-            "rope_high_freq_factor": scaling.get("high_freq_factor", 4.0),
-            "rope_original_max_seq_len": scaling.get("original_max_position_embeddings", 8192),
-        }
+from torchtitan.models.llama3.hf_keys import LLAMA3_KEYS
 
 
 def _check_swiglu_width(args: ModelArgs, config: Mapping[str, Any]) -> None:
     if args.hidden_dim != config["intermediate_size"]:
-        raise ValueError(
-            f"intermediate_size {config['intermediate_size']} cannot be expressed as a Llama 3 "
-            f"SwiGLU width for dim {args.dim} (got {args.hidden_dim})"
+        raise HFConfigError(
+            "config.json: intermediate_size",
+            config["intermediate_size"],
+            f"llama3: not a Llama 3 SwiGLU width for hidden_size {args.dim} (the width is "
+            f"4 * dim * 2 / 3 rounded up to a multiple of intermediate_size: {args.hidden_dim})",
+            "use a width that is a multiple of 8 * hidden_size / 3 rounded down, or import it as qwen3",
         )
 
 
@@ -65,7 +45,8 @@ _CONFIG = HFConfig(
         ConfigField("head_dim", None, "head_dim"),
         ConfigField("intermediate_size", "multiple_of", "hidden_dim"),
     ),
-    sections=(_RopeScaling(),),
+    sections=(RopeSection(),),
+    keys=LLAMA3_KEYS,
     check=_check_swiglu_width,
 )
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from torchtitan.models.common.decoder import Attention, Decoder, TransformerBlock
 from torchtitan.models.common.feed_forward import FeedForward
-from torchtitan.models.common.rope import precompute_freqs_cis
+from torchtitan.models.common.rope import scaled_freqs_cis
 from torchtitan.models.llama3.args import ModelArgs
 
 
@@ -36,16 +36,7 @@ class Transformer(Decoder):
 
     def _compute_freqs_cis(self, device: torch.device | str | None) -> torch.Tensor:
         a = self.args
-        return precompute_freqs_cis(
-            a.head_dim,
-            a.max_seq_len,
-            theta=a.rope_theta,
-            scaling_factor=a.rope_scaling_factor,
-            low_freq_factor=a.rope_low_freq_factor,
-            high_freq_factor=a.rope_high_freq_factor,
-            original_max_seq_len=a.rope_original_max_seq_len,
-            device=device,
-        )
+        return scaled_freqs_cis(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device)
 
     def _init_depth(self, layer_id: int) -> int:
         # ``depth_init``: scale by the block's own depth, else by the model's (docs/extending.md).

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase, flavor_table
 from torchtitan.models.common.moe import MoEArgs
+from torchtitan.models.common.rope import RopeScaling
 
 
 @dataclass
@@ -35,6 +36,18 @@ class Qwen3Args(DecoderArgsBase):
     """Block ids whose feed-forward is the MoE layer; ``None``: every block (when ``moe`` is
     set). Qwen3-MoE's ``mlp_only_layers`` are the complement."""
 
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency scaling (``models/common/rope.py``: YaRN, linear or Llama 3.1's; Qwen3's
+    128k context is YaRN with factor 4 over 32768); None: plain RoPE."""
+
+    sliding_window: int | None = None
+    """Keys a windowed block's query sees (itself and the ``sliding_window - 1`` before, Hugging
+    Face's ``use_sliding_window`` / ``sliding_window``); None: full causal attention."""
+
+    window_layers: tuple[int, ...] | None = None
+    """The blocks that use ``sliding_window``; None: every block (Qwen3-MoE applies it to all,
+    dense Qwen3 to the blocks from ``max_window_layers`` on, or its ``layer_types``)."""
+
     n_kv_heads: int = 8
     # the norm eps also applies to the per-head QK-norms
     norm_eps: float = 1e-6
@@ -42,6 +55,19 @@ class Qwen3Args(DecoderArgsBase):
     max_seq_len: int = 40960
 
     qk_norm: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1")
+        if any(not 0 <= i < self.n_layers for i in self.window_layers or ()):
+            raise ValueError(f"window_layers={self.window_layers} must be block ids")
+
+    def window(self, layer_id: int) -> int | None:
+        """Block ``layer_id``'s sliding window, None for full causal attention."""
+        if self.window_layers is not None and layer_id not in self.window_layers:
+            return None
+        return self.sliding_window
 
     @property
     def hidden_dim(self) -> int:
@@ -56,6 +82,14 @@ class Qwen3Args(DecoderArgsBase):
     @property
     def n_moe_layers(self) -> int:
         return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """The base formula, where a windowed block's query reaches
+        ``min(sliding_window, seq_len)`` keys, not ``seq_len`` (as GPT-OSS counts)."""
+        full = super().flops_per_token(seq_len)
+        per_key = 12 * self.n_heads * self.head_dim
+        cut = sum(seq_len - min(self.window(i) or seq_len, seq_len) for i in range(self.n_layers))
+        return full - per_key * cut
 
     def _ffn_params(self, layer_id: int, active: bool) -> int:
         if self.moe is not None and self.is_moe_layer(layer_id):

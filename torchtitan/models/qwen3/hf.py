@@ -9,7 +9,8 @@ shared adapter (``models/common/hf/``; docs/extending.md, section 5; docs/moe.md
   dim]``, ``mlp.experts.down_proj``) is read too;
 - the router ``feed_forward.router.gate`` <-> ``mlp.gate``; the auxiliary-loss-free bias has no
   HF counterpart: it must be zero to export;
-- ``config.json``: the MoE fields (``mlp_only_layers``, ``decoder_sparse_step``...).
+- ``config.json``: the MoE fields (``mlp_only_layers``, ``decoder_sparse_step``...), RoPE
+  scaling (``models/common/hf/rope.py``), the sliding window; every key checked (``hf_keys.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from torchtitan.models.common.hf.decoder import (
     decoder_fields,
     heads_of,
 )
+from torchtitan.models.common.hf.rope import RopeSection
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3.args import Qwen3Args
+from torchtitan.models.qwen3.hf_keys import QWEN3_KEYS, window_from_hf, window_to_hf
 
 
 class _MoESection:
@@ -52,7 +55,6 @@ class _MoESection:
             "norm_topk_prob": m.route_norm,
             "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i in range(a.n_layers) if not a.is_moe_layer(i)],
-            "router_aux_loss_coef": m.aux_loss_coef,
         }
 
     def from_hf(self, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -64,11 +66,24 @@ class _MoESection:
             top_k=config["num_experts_per_tok"],
             expert_dim=config["moe_intermediate_size"],
             route_norm=config.get("norm_topk_prob", True),
+            # Not router_aux_loss_coef: it weights transformers' pooled balancing loss, not
+            # ours (hf_keys.py); an imported model keeps MoEArgs' default, docs/moe.md.
         )
         n_layers = config["num_hidden_layers"]
         step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers", [])
         sparse = [i for i in range(n_layers) if i not in dense and (i + 1) % step == 0]
         return {"moe": moe, "moe_layers": None if len(sparse) == n_layers else tuple(sparse)}
+
+
+class _WindowSection:
+    """``use_sliding_window``, ``sliding_window``, ``max_window_layers``, ``layer_types`` <->
+    ``sliding_window`` and ``window_layers`` (``hf_keys.py``)."""
+
+    def to_hf(self, a: Qwen3Args) -> dict[str, Any]:
+        return window_to_hf(a)
+
+    def from_hf(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        return window_from_hf(config)
 
 
 def _head_dim(config: Mapping[str, Any]) -> int:
@@ -83,7 +98,8 @@ _CONFIG = HFConfig(
         ConfigField("head_dim", "head_dim", default=_head_dim),
         ConfigField("intermediate_size", "intermediate_size"),
     ),
-    sections=(_MoESection(),),
+    sections=(_MoESection(), RopeSection(), _WindowSection()),
+    keys=QWEN3_KEYS,
 )
 
 _NO_BIAS = (

@@ -19,14 +19,19 @@ from torch import nn
 from torchtitan.models.common.decoder import Attention, Decoder, TransformerBlock
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.moe import MoE
-from torchtitan.models.common.rope import precompute_freqs_cis
+from torchtitan.models.common.rope import scaled_freqs_cis
 from torchtitan.models.qwen3.args import Qwen3Args
 
 
 def _block(layer_id: int, args: Qwen3Args) -> nn.Module:
     """Pre-norm block with QK-norm attention; the feed-forward is a SwiGLU or the MoE layer."""
     attention = Attention(
-        args.dim, args.n_heads, args.n_kv_heads, args.head_dim, qk_norm_eps=args.norm_eps
+        args.dim,
+        args.n_heads,
+        args.n_kv_heads,
+        args.head_dim,
+        qk_norm_eps=args.norm_eps,
+        window=args.window(layer_id),
     )
     feed_forward: nn.Module
     if args.moe is not None and args.is_moe_layer(layer_id):
@@ -47,4 +52,4 @@ class Transformer(Decoder):
 
     def _compute_freqs_cis(self, device: torch.device | str | None) -> torch.Tensor:
         a = self.args
-        return precompute_freqs_cis(a.head_dim, a.max_seq_len, theta=a.rope_theta, device=device)
+        return scaled_freqs_cis(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling, device)

@@ -10,6 +10,8 @@ that name (``tp_problem``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from torchtitan.distributed.model_plan import ModelParallelPlan
@@ -35,4 +37,8 @@ def qwen3_parallel_plan(args: Qwen3Args) -> ModelParallelPlan:
     elif args.moe is not None:
         sizes[MOE_NO_TP] = 1  # dense and MoE blocks mixed: one block plan cannot hold both
     block = {**attention_plan(qk_norm=True), **ffn}
-    return decoder_parallel_plan(args, block, sizes)
+    plan = decoder_parallel_plan(args, block, sizes)
+    if args.sliding_window is not None:
+        # The shared CP cores compute full causal attention: a windowed model offers no CP.
+        plan = dataclasses.replace(plan, context_parallel=None)
+    return plan

@@ -127,7 +127,7 @@ class StateDictAdapter:
             out[ours] = torch.stack([by_id[i] for i in range(len(by_id))]).contiguous()
         self._add_ours_only(out)
         head, embedding = m.tied
-        if self._tied and head not in out:
+        if self._tied and head not in out and embedding in out:  # (a part may lack both)
             out[head] = out[embedding]
         return out
 
@@ -172,6 +172,11 @@ class StateDictAdapter:
                 if found is not None and found.group(2) == only.like:
                     like = out[key]
                     out[key.removesuffix(only.like) + name] = like.new_zeros(like.shape[0])
+
+    def args_for_weights(self, names: Any) -> Any:
+        """The args for a folder holding the HF tensor ``names``: ``args`` (a family whose
+        ``config.json`` may declare modules its weights lack adjusts them: DeepSeek-V3's MTP)."""
+        return self.args
 
     def hf_config(self, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         """``config.json`` for the family's transformers class with these args."""

@@ -13,6 +13,9 @@ from typing import Any, Protocol
 
 import torch
 
+from torchtitan.models.common.hf.keys import KeyTable
+from torchtitan.tools.logging import logger
+
 REQUIRED: Any = object()
 """The default of a field every ``config.json`` must hold."""
 
@@ -65,6 +68,9 @@ class HFConfig:
     check: Callable[[Any, Mapping[str, Any]], None] | None = None
     """Raises when the args read cannot express ``config`` exactly."""
     dtype_key: str = field(default="torch_dtype")
+    keys: KeyTable | None = None
+    """Every ``config.json`` key the family knows (``models/<family>/hf_keys.py``), checked on
+    every import (``keys.py``)."""
 
     def to_hf(self, args: Any, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
         config: dict[str, Any] = dict(self.constants)
@@ -74,7 +80,15 @@ class HFConfig:
             config.update(section.to_hf(args))
         return config
 
+    def check_keys(self, config: Mapping[str, Any]) -> list[str]:
+        """:meth:`KeyTable.check`: raises ``HFConfigError`` on a value we cannot compute,
+        returns a warning per unknown key."""
+        return [] if self.keys is None else self.keys.check(config)
+
     def args_from_hf(self, config: Mapping[str, Any]) -> Any:
+        """Our args for ``config`` (its keys checked first, unknown ones logged as warnings)."""
+        for warning in self.check_keys(config):
+            logger.warning(warning)
         kwargs = {f.ours: f.read(config) for f in self.fields if f.ours is not None}
         for section in self.sections:
             kwargs.update(section.from_hf(config))

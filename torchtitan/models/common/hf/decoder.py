@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchtitan.models.common.hf.config import ConfigField
+from torchtitan.models.common.hf.keys import HFKey, irrelevant, mapped, only, refused
 from torchtitan.models.common.hf.mapping import RopeRows, TensorTransform
 
 DECODER_TOP = {
@@ -102,4 +103,39 @@ def decoder_fields(
         ConfigField("rope_theta", "rope_theta", default=_rope_theta(rope_theta)),
         ConfigField("max_position_embeddings", "max_seq_len", default=max_seq_len),
         ConfigField("tie_word_embeddings", "tie_word_embeddings", default=False),
+    )
+
+
+def decoder_keys() -> tuple[HFKey, ...]:
+    """The key-table entries (``keys.py``) of :func:`decoder_fields` and the Llama-style
+    activation: a family's ``hf_keys.py`` starts from these."""
+    return (
+        mapped("vocab_size", "vocab_size"),
+        mapped("hidden_size", "dim"),
+        mapped("num_hidden_layers", "n_layers"),
+        mapped("num_attention_heads", "n_heads"),
+        mapped("num_key_value_heads", "n_kv_heads"),
+        mapped("rms_norm_eps", "norm_eps"),
+        mapped("rope_theta", "rope_theta"),
+        mapped("max_position_embeddings", "max_seq_len (training replaces it by training.seq_len)"),
+        mapped("tie_word_embeddings", "tie_word_embeddings"),
+        mapped(
+            "hidden_act", "the SwiGLU gate (SiLU)", only("silu", what="our SwiGLU computes SiLU")
+        ),
+    )
+
+
+def no_window_keys(family: str) -> tuple[HFKey, ...]:
+    """The sliding-window keys of Qwen-style configs, refused with a window for a family
+    without one."""
+    why = f"{family} has no sliding-window attention"
+    return (
+        refused("use_sliding_window", why),
+        refused("sliding_window", why),
+        irrelevant("max_window_layers", "selects windowed layers only with use_sliding_window"),
+        refused(
+            "layer_types",
+            why,
+            lambda v: v is None or all(t == "full_attention" for t in v),
+        ),
     )
