@@ -33,6 +33,7 @@ from torchtitan.models.common.hf.decoder import BLOCK_NORMS, DECODER_TOP, SWIGLU
 from torchtitan.models.common.hf.mapping import Box, HFSource, ReadBox
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3_5.args import Qwen35Args
+from torchtitan.models.qwen3_5.hf_keys import QWEN35_KEYS
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,6 @@ class _MoESection:
             "num_experts_per_tok": m.top_k,
             "moe_intermediate_size": m.expert_dim,
             "shared_expert_intermediate_size": a.shared_expert_dim,
-            "router_aux_loss_coef": m.aux_loss_coef,
         }
 
     def from_hf(self, config: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,8 +133,7 @@ class _MoESection:
             num_experts=config["num_experts"],
             top_k=config["num_experts_per_tok"],
             expert_dim=config["moe_intermediate_size"],
-            aux_loss_coef=config.get("router_aux_loss_coef", 0.001),
-        )
+        )  # router_aux_loss_coef is not ours (hf_keys.py): MoEArgs' default, docs/moe.md
         return {"moe": moe, "shared_expert_dim": config["shared_expert_intermediate_size"]}
 
 
@@ -190,6 +189,7 @@ _CONFIG = Qwen35HFConfig(
     },
     fields=_FIELDS,
     sections=(_RopeSection(), _MoESection()),
+    keys=QWEN35_KEYS,
 )
 
 _NO_BIAS = (
