@@ -15,33 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from tests import hf_parity
+from tests.tiny_args import tiny_qwen3_5
 from torchtitan.models import MODELS
 from torchtitan.models.common.moe import MoE, MoEArgs
 from torchtitan.models.qwen3_5 import QWEN35_FLAVORS, Qwen35Args, Qwen35Transformer
 from torchtitan.models.qwen3_5.delta_rule import chunked_delta_rule, recurrent_delta_rule
 from torchtitan.models.qwen3_5.hf import GroupedQKV
 
-DENSE = Qwen35Args(
-    dim=64,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    intermediate_size=96,
-    vocab_size=256,
-    max_seq_len=64,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=12,
-    layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
-    partial_rotary_factor=0.5,
-    tie_word_embeddings=True,
-)
-MOE = dataclasses.replace(
-    DENSE,
+DENSE = tiny_qwen3_5()  # DeltaNet, attention, DeltaNet, attention; tied
+MOE = tiny_qwen3_5(
     n_layers=2,
-    layer_types=("linear_attention", "full_attention"),
     tie_word_embeddings=False,
     moe=MoEArgs(num_experts=8, top_k=2, expert_dim=32),
     shared_expert_dim=48,
