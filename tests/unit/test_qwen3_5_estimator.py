@@ -70,3 +70,37 @@ def test_estimate_within_10_percent_of_measured_peak(tmp_path: object) -> None:
     """One rank training the debug flavor: estimate vs the measured peak of live tensors."""
     argv = [*dense.BASE, "--model.name", "qwen3_5", "--job.dump_folder", str(tmp_path)]
     dense.assert_estimate_matches("qwen3_5 debug", argv, 1, run_ranks(dense._measure, 1, argv, 2))
+
+
+@pytest.mark.parametrize("seq", [128, 256])
+def test_flops_per_token_match_torch_flop_counter(seq: int) -> None:
+    """MFU's count (``flops_per_token``) against torch's FLOP counter over one forward and
+    backward of a DeltaNet-only model: the matmuls within 2% (the norms' weights count in
+    ``N``), the delta rule's batched matmuls exactly (its triangular solves are not matmuls to
+    the counter); bounded per token in ``seq``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tests.tiny_args import tiny_qwen3_5
+
+    a = tiny_qwen3_5(
+        dim=128,
+        layer_types=("linear_attention",) * 4,
+        max_seq_len=seq,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+    )
+    model = Qwen35Transformer(a)
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, a.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens).float().sum().backward()
+    counts = {str(k): v / seq for k, v in counter.get_flop_counts()["Global"].items()}
+    dense = 6 * a.num_params(exclude_embedding=True, active=True)
+    rule = a.flops_per_token(seq) - dense
+    print(f"seq {seq}: matmuls {counts['aten.mm']:,.0f} vs 6N {dense:,.0f}; delta rule "
+          f"{counts['aten.bmm']:,.0f} vs {rule:,.0f}")  # fmt: skip
+    assert abs(counts["aten.mm"] - dense) / dense < 0.02
+    assert abs(counts["aten.bmm"] - rule) / counts["aten.bmm"] < 1e-6
+    assert a.flops_per_token(seq) < a.flops_per_token(1 << 20) < 1.1 * a.flops_per_token(seq)

@@ -197,15 +197,20 @@ class Qwen35Args(DecoderArgsBase):
 
     def flops_per_token(self, seq_len: int) -> int:
         """``6 x`` active non-embedding parameters, plus per full-attention layer the scores
-        (``12 n_heads head_dim seq_len``), plus per DeltaNet layer its state work, which does
-        not grow with ``seq_len``: per token and value head, ``~4 Dk Dv`` multiply-adds
-        forward (state read, delta, write, output) and the chunk-local attention ``C (Dk + Dv)``
-        with chunks of ``C = 64``; times 3 for forward + backward (docs/qwen3_5.md)."""
+        (``12 n_heads head_dim seq_len``), plus per DeltaNet layer the chunked delta rule's
+        matmuls, bounded in ``seq_len``: per token and value head, forward, the in-chunk
+        ``k k^T`` and ``q k^T`` (``2 C Dk`` each), their product with the values (``2 C Dv``)
+        and the state's read, correction and write (``2 Dk Dv`` each), chunks of ``C = 64``,
+        times 3 for forward + backward; plus the gradient carried through each chunk's state
+        (``8 Dk Dv``, none for the first chunk of a sequence). Equal to torch's FLOP counter
+        on the chunked form (docs/qwen3_5.md)."""
         attention = 12 * self.n_full_layers * self.n_heads * self.head_dim * seq_len
         dk, dv, c = self.linear_key_head_dim, self.linear_value_head_dim, min(64, seq_len)
-        per_head = 2 * (4 * dk * dv + c * (dk + dv))
-        linear = 3 * (self.n_layers - self.n_full_layers) * self.linear_num_value_heads * per_head
-        return 6 * self.num_params(exclude_embedding=True, active=True) + attention + linear
+        chunks = -(-seq_len // c)
+        carried = 8 * dk * dv * (chunks - 1) * c / seq_len
+        per_head = 3 * (4 * c * dk + 2 * c * dv + 6 * dk * dv) + carried
+        linear = (self.n_layers - self.n_full_layers) * self.linear_num_value_heads * per_head
+        return int(6 * self.num_params(exclude_embedding=True, active=True) + attention + linear)
 
     def mixer_shapes(self, layer: int, tp: int) -> list[tuple[tuple[int, int], bool]]:
         """The estimator's view of block ``layer``'s token mixer after TP: each parameter's
