@@ -131,16 +131,17 @@ def test_compile_and_full_ac(tmp_path_factory: pytest.TempPathFactory, tmp_path:
 
 @pytest.mark.slow
 def test_float8(tmp_path: Path) -> None:
-    """Float8 (emulated on CPU) on every linear of both mixers. TP 2 equals one float8 process
-    (same tokens on both ranks, amaxes all-reduced over TP); FSDP 2 is close to it: each rank
-    scales its own half of the batch's activations (tensorwise dynamic scales), measured 2.0e-4;
-    and float8 is not fp32."""
+    """Float8 (emulated on CPU) on every linear of both mixers, against one float8 process:
+    within 5e-4 under TP 2 and FSDP 2, not 1e-5: tensorwise dynamic scales take an activation's
+    amax where it lives, so a row-sharded projection's input (TP) or a rank's half of the batch
+    (FSDP) is scaled by its own amax (measured 1.0e-4 and 2.0e-4; the shared float8 tests allow
+    1e-4 to 1e-3, tests/distributed/test_compile_float8.py); and float8 is not fp32."""
     from tests.distributed.test_compile_float8 import FLOAT8, FLOAT8_RTOL
 
     argv = [*MODEL, "--model.flavor", "debugmodel", *FLOAT8]
     one = losses(train_metrics([*argv, LB, "8"], 1, tmp_path / "one", STEPS))
     tp = losses(train_metrics([*argv, *TP2], 2, tmp_path / "tp", STEPS))
-    assert_losses_match(one, tp, rtol=1e-5, label="Qwen3.5 float8 TP 2 vs 1 rank")
+    assert_losses_match(one, tp, rtol=5e-4, label="Qwen3.5 float8 TP 2 vs 1 rank")
     fsdp = losses(train_metrics([*argv, LB, "4"], 2, tmp_path / "fsdp", STEPS))
     assert_losses_match(one, fsdp, rtol=5e-4, label="Qwen3.5 float8 FSDP 2 vs 1 rank")
     fp32 = losses(
