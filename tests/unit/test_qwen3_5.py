@@ -416,3 +416,27 @@ def test_fla_kernel_equals_chunked_form_on_gpu(docs: torch.Tensor | None) -> Non
     assert _rel(out.float(), ref) < 1e-3
     for a, b in zip(grads, ref_grads, strict=True):
         assert _rel(a.float(), b) < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"layer_types": ["linear_attention", "sliding_attention"] * 2}, "layer_types"),
+        ({"linear_conv_kernel_dim": 0}, "linear_conv_kernel_dim"),
+    ],
+)
+def test_convert_exits_2_with_one_line(
+    change: dict[str, Any], field: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m torchtitan.convert from-hf`` on a Qwen3.5 folder with a bad config.json."""
+    from torchtitan import convert
+
+    config = MODELS["qwen3_5"].state_dict_adapter(DENSE).hf_config()
+    config.update(change)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    code = convert.main(
+        ["from-hf", str(tmp_path / "hf"), str(tmp_path / "out"), "--model", "qwen3_5"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and field in err[0], err
