@@ -53,8 +53,9 @@ if [[ -z "${NGPU:-}" ]]; then
         NGPU=2
     fi
 fi
-# Validate before torchrun starts: a config error is one message and exit 2, no rank started.
-"$python" -m torchtitan.config --world_size "$NGPU" --job.config_file "$config" "$@" >/dev/null ||
+# Validate before torchrun starts: a config error is one message and exit 2, no rank started;
+# --launch adds the fit check against this machine's memory (docs/planning.md).
+"$python" -m torchtitan.config --launch --world_size "$NGPU" --job.config_file "$config" "$@" >/dev/null ||
     exit $?
 LOG_RANK="${LOG_RANK:-0}"
 if [[ "$LOG_RANK" == *last* || "$LOG_RANK" == *all* ]]; then

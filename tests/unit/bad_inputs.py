@@ -75,6 +75,20 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "matches no parameter",
     ),
     (
+        "groups-effective-lr",
+        ["--job.config_file", "{d}/groups_lr.toml"],
+        1,
+        "optimizer.groups[0].lr_mult",
+        "= 2000, above 1 (the bound of optimizer.lr holds for every group)",
+    ),
+    (
+        "groups-unknown-kind",
+        ["--job.config_file", "{d}/groups_kind.toml"],
+        1,
+        "optimizer.groups[0].kinds",
+        "use kinds from ['matrix', 'embedding', 'output', 'norm', 'bias', 'router', 'experts'",
+    ),
+    (
         "muon-momentum-1",
         ["--optimizer.muon_momentum", "1"],
         1,
@@ -408,6 +422,20 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "llama3 has no multi-token prediction",
     ),
     (
+        "mtp-loss-weight-huge",
+        ["--model.name", "deepseek_v3", "--model.mtp_loss_weight", "1e9"],
+        1,
+        "model.mtp_loss_weight",
+        "must be in [0, 1] or -1",
+    ),
+    (
+        "mtp-depth-above-seq-len",
+        ["--model.name", "deepseek_v3", "--model.mtp_depth", "100000"],
+        1,
+        "model.mtp_depth",
+        "must be at most training.seq_len - 2 = 510",
+    ),
+    (
         "mtp-with-chunked-loss",
         ["--model.name", "deepseek_v3", "--training.loss_chunk_size", "64"],
         1,
@@ -438,6 +466,20 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
     ),
     ("extends-missing", ["--job.config_file", "{d}/orphan.toml"], 1, "extends", "does not exist"),
     (
+        "extends-folder",
+        ["--job.config_file", "{d}/extends_folder.toml"],
+        1,
+        "extends",
+        "nodata is a folder, not a TOML file",
+    ),
+    (
+        "config-file-folder",
+        ["--job.config_file", "{d}/nodata"],
+        1,
+        "job.config_file",
+        "is a folder, not a TOML file",
+    ),
+    (
         "overlay-unknown-key",
         ["--job.config_file", "train_configs/debug_model.toml,{d}/typo.toml"],
         1,
@@ -466,6 +508,34 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         1,
         "lora.target_modules",
         "match no module of the model",
+    ),
+    (
+        "lora-target-experts-dense",
+        ["--lora.enable", "--lora.target_modules", "feed_forward.experts"],
+        1,
+        "lora.target_modules",
+        "Fix: use some of attention.wq,attention.wk,attention.wv,attention.wo,feed_forward.w1,",
+    ),
+    (
+        "lora-rank-above-width",
+        ["--lora.enable", "--lora.rank", "100000"],
+        1,
+        "lora.rank",
+        "must be at most the smaller side of every adapted projection",
+    ),
+    (
+        "qlora-without-lora",
+        ["--lora.quantize_base", "nf4"],
+        1,
+        "lora.quantize_base",
+        "needs lora.enable = true",
+    ),
+    (
+        "lora-adapter-without-lora",
+        ["--lora.adapter_path", "{d}/trainonly"],
+        1,
+        "lora.adapter_path",
+        "needs lora.enable = true",
     ),
     (
         "lora-target-norm",
@@ -527,6 +597,10 @@ def make_bad_files(d: Path) -> None:
     debug = (Path(__file__).resolve().parents[2] / CONFIG[1]).read_text()
     groups = '\n[[optimizer.groups]]\nnames = ["layers.*.attn.*"]\nlr_mult = 0.5\n'
     (d / "groups.toml").write_text(debug + groups)
+    big = '\n[[optimizer.groups]]\nkinds = ["matrix"]\nlr_mult = 1000000.0\n'
+    (d / "groups_lr.toml").write_text(debug + big)  # 2e-3 x 1e6 = 2000
+    (d / "groups_kind.toml").write_text(debug + '\n[[optimizer.groups]]\nkinds = ["weights"]\n')
+    (d / "extends_folder.toml").write_text('extends = "nodata"\n')
     (d / "cycle_a.toml").write_text('extends = "cycle_b.toml"\n')
     (d / "cycle_b.toml").write_text('extends = "cycle_a.toml"\n')
     (d / "orphan.toml").write_text('extends = "no_such_base.toml"\n')

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.bad_inputs import CASES, argv_of, make_bad_files
+from tests.unit.bad_inputs import CASES, CONFIG, argv_of, make_bad_files
 from torchtitan.config.errors import ConfigError
 from torchtitan.data.checks import DataError
 from torchtitan.data.dataloader import build_dataloader
@@ -130,3 +130,90 @@ def test_offline_unknown_hub_dataset_is_one_message(tmp_path: Path) -> None:
     want = "config error: training.dataset = 'no-such-user/no-such-dataset': could not be opened"
     assert want in proc.stderr and "OfflineModeIsEnabled" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# `python -m torchtitan.plan`'s own options: exit 2 and one line naming the option (docs/planning.md)
+PLAN_CASES = [
+    (["--world_size", "8", "--device_memory_gib", "-5"], "--device_memory_gib = -5.0: must be a"),
+    (
+        ["--world_size", "0", "--device_memory_gib", "80"],
+        "--world_size = 0: must be an integer >= 1",
+    ),
+    (
+        ["--world_size", "8", "--device_memory_gib", "80", "--nodes", "3"],
+        "--nodes = 3: must divide",
+    ),
+    (["--world_size", "8", "--device_memory_gib", "80", "--nodes", "0"], "--nodes = 0: must be an"),
+    (
+        ["--world_size", "8", "--device_memory_gib", "80", "--mfu", "2"],
+        "--mfu = 2.0: must be in (0",
+    ),
+    (["--world_size", "8", "--device_memory_gib", "80", "--top", "0"], "--top = 0: must be an"),
+    (["--world_size", "8", "--device_memory_gib", "nan"], "--device_memory_gib = nan: must be a"),
+    (["--world_size", "8"], "--device_memory_gib: is required"),
+]
+
+
+@pytest.mark.parametrize(("args", "words"), PLAN_CASES, ids=[c[1].split()[0] for c in PLAN_CASES])
+def test_plan_option_errors_exit_2(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from torchtitan.plan.__main__ import main as plan_main
+
+    rc = plan_main(["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), *args])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "", (rc, out, err)
+    assert len(err.strip().splitlines()) == 1 and words in err and "Fix: " in err, err
+    if args[:2] == ["--world_size", "0"]:
+        assert "--nodes" not in err  # the bad option is named, not its neighbour
+
+
+def test_validating_skips_the_fit_check_launching_runs_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m torchtitan.config`` validates a layout for any machine; with ``--launch``
+    (what run_train.sh passes) it checks this machine's memory too (here: 1 GiB of host)."""
+    from torchtitan.config.__main__ import main as config_main
+    from torchtitan.plan import fit
+
+    class Small:
+        available = 2**30
+
+    monkeypatch.setattr(fit.psutil, "virtual_memory", lambda: Small())
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    argv = [
+        "--job.config_file",
+        str(ROOT / "train_configs" / "llama3_8b.toml"),
+        "--world_size",
+        "8",
+    ]
+    assert config_main(argv) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert config_main(["--launch", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "config error: job.fit_check = 'error': the job does not fit: 8 rank(s)" in err
+    assert "of the 1.00 GiB of host memory available" in err
+    assert "--launch" in (ROOT / "run_train.sh").read_text()
+
+
+def test_mtp_depth_bound_is_what_the_model_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.mtp_depth <= seq_len - 2``: at the bound the deepest module keeps one target;
+    one deeper it has none; at ``seq_len`` the shifted tokens no longer stack (the old failure,
+    a ``torch.stack`` error once the model was built)."""
+    import torch
+
+    from torchtitan.models.deepseek_v3.mtp import IGNORE, mtp_tokens
+
+    seq = 8
+    tokens = torch.arange(2 * seq).reshape(2, seq)
+    at_bound = mtp_tokens(tokens, seq - 2)
+    assert at_bound.shape == (2, seq, seq - 1)
+    assert int((at_bound[..., -1] != IGNORE).sum()) == 2  # one target per sequence
+    assert bool((mtp_tokens(tokens, seq - 1)[..., -1] == IGNORE).all())  # no target at all
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        mtp_tokens(tokens, seq)
+    monkeypatch.chdir(ROOT)
+    base = ["--model.name", "deepseek_v3", "--training.seq_len", str(seq)]
+    load_config([*CONFIG, *base, "--model.mtp_depth", str(seq - 2)], world_size=1)
+    with pytest.raises(ConfigError, match="must be at most training.seq_len - 2 = 6"):
+        load_config([*CONFIG, *base, "--model.mtp_depth", str(seq - 1)], world_size=1)

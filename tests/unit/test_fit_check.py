@@ -18,7 +18,7 @@ def _cfg(*argv: str, world: int = 1):  # noqa: ANN202 - a JobConfig
 
 def test_seq_len_1e8_does_not_fit_this_host() -> None:
     rc, out, err = run_config_cli(
-        ["--job.config_file", DEBUG_TOML, "--training.seq_len", "100000000"]
+        ["--launch", "--job.config_file", DEBUG_TOML, "--training.seq_len", "100000000"]
     )
     assert rc == 2 and out == ""
     assert err.startswith("config error: job.fit_check = 'error': the job does not fit: 1 rank(s)")

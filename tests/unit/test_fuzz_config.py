@@ -161,7 +161,11 @@ def _write(sandbox: Path, data: bytes) -> str:
     ("argv", "rc", "needle"),
     [
         ([], 0, "[training]"),
-        (["--training.seq_len", "100000000"], 2, "job.fit_check = 'error': the job does not fit"),
+        (
+            ["--launch", "--training.seq_len", "100000000"],
+            2,
+            "job.fit_check = 'error': the job does not fit",
+        ),
         (["--world_size", "0"], 2, "--world_size"),
         (["--job.config_file", "{utf16}"], 2, "is not UTF-8 text"),
     ],

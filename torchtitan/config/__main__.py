@@ -1,8 +1,10 @@
 """``python -m torchtitan.config --job.config_file F [overrides]``.
 
-Prints the resolved config as TOML and exits 0, or prints the error and exits 2. The job must
-also fit this machine's memory (``job.fit_check``, ``torchtitan/plan/fit.py``).
-``--world_size N`` validates for N ranks (default: $WORLD_SIZE or 1); ``--sources`` writes after
+Prints the resolved config as TOML and exits 0, or prints the error and exits 2. This validates
+the config for any machine (a cluster's layout checks on a laptop); ``--launch`` says this
+machine is about to run it, and adds the fit check against its memory (``job.fit_check``,
+``torchtitan/plan/fit.py``): ``run_train.sh`` passes it, and ``torchtitan.train`` runs the same
+check on every rank. ``--world_size N`` validates for N ranks (default: $WORLD_SIZE or 1); ``--sources`` writes after
 each value where it came from (default, which file, command line, parallelism.auto, derived:
 docs/configs.md); ``--help`` lists every field. With ``--parallelism.auto`` the chosen layout is
 applied and the line naming it goes to stderr.
@@ -41,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    show_sources = "--sources" in argv
-    argv = [a for a in argv if a != "--sources"]
+    show_sources, launch = "--sources" in argv, "--launch" in argv
+    argv = [a for a in argv if a not in ("--sources", "--launch")]
     try:
         world_size = world_size_from_env()
         if "--world_size" in argv:
@@ -50,7 +52,7 @@ def _run(argv: list[str]) -> int:
             world_size = parse_world_size(argv[i + 1] if i + 1 < len(argv) else "")
             del argv[i : i + 2]
         cfg, sources, note = load_config(argv, world_size=world_size)
-        if not cfg.job.explain:  # explain reports the estimate against the device instead
+        if launch and not cfg.job.explain:  # explain reports the estimate against the device
             check_fit(cfg, world_size)  # the memory of this machine (docs/planning.md)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -70,6 +70,16 @@ def chain(path: str, load: Callable[[str], dict[str, Any]]) -> list[Layer]:
                 EXTENDS, base, f"in {current}: must be a file path", 'write extends = "base.toml"'
             )
         nxt = os.path.normpath(os.path.join(os.path.dirname(current), base))
+        if Path(nxt).is_dir():
+            tomls = sorted(p.name for p in Path(nxt).glob("*.toml"))[:5]
+            raise ConfigError(
+                EXTENDS,
+                base,
+                f"in {current}: the base {nxt} is a folder, not a TOML file",
+                f"name a TOML file in it (e.g. {', '.join(tomls)})"
+                if tomls
+                else "name a TOML file, relative to the file that extends it",
+            )
         if not Path(nxt).is_file():
             raise ConfigError(
                 EXTENDS,

@@ -45,7 +45,7 @@ class Job:
     """Print the preflight plan (mesh axes, per-rank batch and tokens, gradient accumulation, pipeline stages and bubble, memory estimate, warnings) and exit without training; needs no process group."""
 
     fit_check: Literal["error", "warn", "off"] = "error"
-    """Before launch, compare the estimated peak memory per rank with this machine's free GPU memory (CUDA) or, times the ranks on the host, its available host memory (CPU; and FSDP CPU offload's host side): error refuses a job that does not fit, warn only warns, off skips the check (e.g. validating a cluster's config on a laptop). Above 90% it warns (docs/planning.md, "Fit before launch")."""
+    """At launch (run_train.sh, torchtitan.train; not when only validating with python -m torchtitan.config, which checks it only with --launch), compare the estimated peak memory per rank with this machine's free GPU memory (CUDA) or, times the ranks on the host, its available host memory (CPU; and FSDP CPU offload's host side): error refuses a job that does not fit, warn only warns, off skips the check. Above 90% it warns (docs/planning.md, "Fit before launch")."""
 
 
 @dataclass

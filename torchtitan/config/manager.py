@@ -209,6 +209,13 @@ def _apply_mapping(obj: Any, mapping: dict[str, Any], prefix: str) -> None:
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(
+            "job.config_file",
+            str(path),
+            "is a folder, not a TOML file",
+            "name a .toml file (e.g. train_configs/debug_model.toml)",
+        )
     if not p.is_file():
         raise ConfigError(
             "job.config_file", str(path), "must be an existing TOML file", "check the path"

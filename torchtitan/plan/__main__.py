@@ -22,6 +22,7 @@ Exit status: 0 with at least one fitting layout, 1 when none fits, 2 on a bad ar
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import replace
 
@@ -32,20 +33,41 @@ from torchtitan.plan.auto import device_peak_tflops
 from torchtitan.plan.estimator import format_bytes, model_args_for
 from torchtitan.plan.planner import Hardware, plan, summary
 
-_OPTIONS = {
-    "--world_size": int,
-    "--device_memory_gib": float,
-    "--nodes": int,
-    "--top": int,
-    "--device": str,
-    "--peak_tflops": float,
-    "--mfu": float,
-    "--intra_node_gbps": float,
-    "--inter_node_gbps": float,
-    "--host_device_gbps": float,
-    "--host_memory_gbps": float,
-    "--vocab_size": int,
+# option -> (type, the smallest value, whether the smallest is excluded, the fix)
+_OPTIONS: dict[str, tuple[type, float, bool, str]] = {
+    "--world_size": (int, 1, False, "give the devices of the job, e.g. --world_size 8"),
+    "--device_memory_gib": (float, 0, True, "give one device's memory, e.g. 80 for an H100"),
+    "--nodes": (int, 1, False, "give the nodes, a divisor of --world_size"),
+    "--top": (int, 1, False, "use e.g. --top 5"),
+    "--device": (str, 0, False, ""),
+    "--peak_tflops": (float, 0, True, "give the dense bf16 peak, e.g. 989 for an H100 SXM"),
+    "--mfu": (float, 0, True, "use a fraction in (0, 1], e.g. 0.5"),
+    "--intra_node_gbps": (float, 0, True, "use e.g. 450"),
+    "--inter_node_gbps": (float, 0, True, "use e.g. 25"),
+    "--host_device_gbps": (float, 0, True, "use e.g. 25"),
+    "--host_memory_gbps": (float, 0, True, "use e.g. 10"),
+    "--vocab_size": (int, 1, False, "leave it out (the tokenizer's), or give e.g. 128256"),
 }
+
+
+def _convert(key: str, text: str) -> object:
+    """``text`` as option ``key``'s value, in range (ConfigError naming the option if not)."""
+    kind, low, open_low, fix = _OPTIONS[key]
+    try:
+        value = kind(text)
+    except ValueError:
+        rule = f"must be {'an integer' if kind is int else 'a number'}"
+        raise ConfigError(key, text, rule, fix) from None
+    if kind is str:
+        return value
+    assert isinstance(value, (int, float))
+    if not math.isfinite(value) or value < low or (open_low and value == low):
+        what = "an integer" if kind is int else "a finite number"
+        rule = f"must be {what} {'>' if open_low else '>='} {low:g}"
+        raise ConfigError(key, value, rule, fix)
+    if key == "--mfu" and value > 1:
+        raise ConfigError(key, value, "must be in (0, 1] (a fraction of the peak)", fix)
+    return value
 
 
 def _take_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
@@ -56,15 +78,26 @@ def _take_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
         key, _, inline = argv[i].partition("=")
         if key in _OPTIONS:
             text = inline if inline else (argv[i + 1] if i + 1 < len(argv) else "")
-            try:
-                found[key[2:]] = _OPTIONS[key](text)
-            except ValueError:
-                raise ValueError(f"{key} needs a {_OPTIONS[key].__name__}, got {text!r}") from None
+            found[key[2:]] = _convert(key, text)
             i += 1 if inline else 2
         else:
             rest.append(argv[i])
             i += 1
     return found, rest
+
+
+def _nodes(opts: dict[str, object], world_size: int) -> int:
+    """``--nodes`` (default: world size / 8, at least 1), which must divide the world size."""
+    nodes = int(opts.get("nodes", max(1, world_size // 8)))  # type: ignore[call-overload]
+    if world_size % nodes:
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(
+            "--nodes",
+            nodes,
+            f"must divide --world_size {world_size} (the same devices on every node)",
+            f"use one of {', '.join(map(str, fits[:12]))}",
+        )
+    return nodes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         opts, rest = _take_options(argv)
         for required in ("world_size", "device_memory_gib"):
             if required not in opts:
-                raise ValueError(f"--{required} is required")
+                raise ConfigError(
+                    f"--{required}", None, "is required", _OPTIONS[f"--{required}"][3]
+                )
         world_size = int(opts["world_size"])  # type: ignore[call-overload]
-        nodes = int(opts.get("nodes", max(1, world_size // 8)))  # type: ignore[call-overload]
-        if world_size < 1 or nodes < 1 or world_size % nodes:
-            raise ValueError(f"--nodes {nodes} must divide --world_size {world_size}")
+        nodes = _nodes(opts, world_size)
         peak = (
             float(opts["peak_tflops"])  # type: ignore[arg-type]
             if "peak_tflops" in opts

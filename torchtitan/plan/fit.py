@@ -1,7 +1,8 @@
 """Fit before launch: the estimator's peak per rank against the memory of this machine.
 
-``python -m torchtitan.config`` (which ``run_train.sh`` runs before torchrun) and
-``python -m torchtitan.train`` call :func:`check_fit` after ``load_config``; it lives here, not in
+At launch only: ``python -m torchtitan.config --launch`` (which ``run_train.sh`` runs before
+torchrun) and ``python -m torchtitan.train`` call :func:`check_fit` after ``load_config``
+(validating alone, without ``--launch``, does not: a cluster's layout checks on a laptop); it lives here, not in
 ``preflight/``, because it needs the estimator (docs/architecture.md, section 2: ``plan/`` may
 import ``preflight/``, not the reverse). docs/planning.md, "Fit before launch":
 
@@ -12,8 +13,7 @@ import ``preflight/``, not the reverse). docs/planning.md, "Fit before launch":
   side, times the ranks on the host, against the available host memory too.
 
 Above the memory: a ``ConfigError`` (``job.fit_check = "error"``, the default) or a warning
-(``"warn"``); above ``WARN_FRACTION`` of it: a warning; ``"off"`` skips the check (e.g. to
-validate on a laptop a config meant for a cluster). The estimator is arithmetic: this costs
+(``"warn"``); above ``WARN_FRACTION`` of it: a warning; ``"off"`` skips the check. The estimator is arithmetic: this costs
 milliseconds.
 """
 

@@ -16,10 +16,11 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, Lora
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.lora.apply import apply_lora, with_targets
-from torchtitan.lora.layers import LoRALinear
+from torchtitan.lora.layers import LoRAExperts, LoRALinear
 from torchtitan.lora.peft_io import AdapterMismatch, check_adapters
 from torchtitan.lora.qlora import nf4_shard_problem
 from torchtitan.models import MODELS
+from torchtitan.models.common.moe_experts import StackedExperts
 
 __all__ = ["validate_lora"]
 
@@ -27,6 +28,7 @@ __all__ = ["validate_lora"]
 def validate_lora(cfg: JobConfig, dims: ParallelDims) -> None:
     lo = cfg.lora
     if not lo.enable:
+        _check_needs_enable(lo)
         return
     if cfg.quantize.dense.float8.enable:
         raise ConfigError(
@@ -66,7 +68,38 @@ def validate_lora(cfg: JobConfig, dims: ParallelDims) -> None:
     _check_targets(cfg, lo, dims)
 
 
-_FIX = "use e.g. attention.wq,attention.wv or feed_forward.experts (docs/lora.md)"
+_NEEDS_ENABLE = (
+    ("quantize_base", "none", "an NF4 base exists only under adapters (QLoRA)"),
+    ("adapter_path", "", "adapters are loaded only when LoRA trains"),
+)
+
+
+def _check_needs_enable(lo: Lora) -> None:
+    """A ``[lora]`` option that changes what is built or loaded, set while LoRA is off, would be
+    ignored: refused instead."""
+    for name, off, why in _NEEDS_ENABLE:
+        value = getattr(lo, name)
+        if value != off:
+            raise ConfigError(
+                f"lora.{name}",
+                value,
+                f"needs lora.enable = true ({why})",
+                f"add --lora.enable, or remove lora.{name}",
+            )
+
+
+def adaptable_targets(model: torch.nn.Module) -> list[str]:
+    """The target patterns that exist in ``model``: the last two name parts of every module an
+    adapter can wrap (``attention.wq``, ``feed_forward.w1``, ``feed_forward.experts``, ...)."""
+    found: dict[str, None] = {}
+    for fqn, module in model.named_modules():
+        if fqn and (type(module) is torch.nn.Linear or isinstance(module, StackedExperts)):
+            found[".".join(fqn.split(".")[-2:])] = None
+    return list(found)
+
+
+def _fix(model: torch.nn.Module) -> str:
+    return f"use some of {','.join(adaptable_targets(model))} (docs/lora.md)"
 
 
 def _check_targets(cfg: JobConfig, lo: Lora, dims: ParallelDims) -> None:
@@ -78,10 +111,12 @@ def _check_targets(cfg: JobConfig, lo: Lora, dims: ParallelDims) -> None:
         raise ConfigError("lora.adapter_path", lo.adapter_path, e.rule, e.fix) from None
     with torch.device("meta"):
         model = spec.build(args)
+    fix = _fix(model)
     try:
         adapted = apply_lora(model, lo)
     except ValueError as e:
-        raise ConfigError("lora.target_modules", lo.target_modules, str(e), _FIX) from None
+        raise ConfigError("lora.target_modules", lo.target_modules, str(e), fix) from None
+    _check_rank(lo.rank, model, adapted)
     if lo.adapter_path:  # its adapters must be exactly the ones built, at the same rank
         try:
             check_adapters(Path(lo.adapter_path), spec.state_dict_adapter(args), model, lo)
@@ -103,11 +138,35 @@ def _check_targets(cfg: JobConfig, lo: Lora, dims: ParallelDims) -> None:
                     "lora.quantize_base",
                     "nf4",
                     f"{name}: grouped experts have no NF4 form here",
-                    _FIX,
+                    "leave feed_forward.experts out of lora.target_modules, or set "
+                    "lora.quantize_base = none",
                 )
             problem = nf4_shard_problem(tuple(module.weight.shape), dims.dp_shard * dims.cp)
             if problem is not None:
-                raise ConfigError("lora.quantize_base", "nf4", f"{name}: {problem}", _FIX)
+                raise ConfigError("lora.quantize_base", "nf4", f"{name}: {problem}", fix)
+
+
+def _widths(module: torch.nn.Module) -> list[tuple[int, int]]:
+    """(in, out) of each adapted projection of an adapter module."""
+    if isinstance(module, LoRALinear):
+        return [(module.in_features, module.out_features)]
+    assert isinstance(module, LoRAExperts)
+    return [tuple(getattr(module, n).shape[1:]) for n in module.adapted]  # type: ignore[misc]
+
+
+def _check_rank(rank: int, model: torch.nn.Module, adapted: list[str]) -> None:
+    """A rank above a projection's smaller side adds no expressiveness (``B A`` has at most that
+    rank) and costs more than the frozen weight: refused, naming the narrowest projection."""
+    widths = [(min(w), name) for name in adapted for w in _widths(model.get_submodule(name))]
+    width, name = min(widths)
+    if rank > width:
+        raise ConfigError(
+            "lora.rank",
+            rank,
+            f"must be at most the smaller side of every adapted projection ({name} is "
+            f"{width} wide): a larger rank adds parameters but no expressiveness",
+            f"use a rank <= {width}, e.g. 8 or 16",
+        )
 
 
 _NF4_LAYOUTS = (

@@ -74,6 +74,17 @@ def validate_mtp(cfg: JobConfig, dims: ParallelDims) -> None:
                 "remove it, or use --model.name deepseek_v3",
             )
     depth = cfg.model.mtp_depth if cfg.model.mtp_depth >= 0 else getattr(args, "mtp_depth", 0)
+    seq_len = cfg.training.seq_len
+    if depth > max(seq_len - 2, 0):
+        # module k predicts the token k + 1 ahead: module D has a target only at positions
+        # below seq_len - D - 1 (and past seq_len its shifted tokens no longer line up)
+        raise ConfigError(
+            "model.mtp_depth",
+            depth,
+            f"must be at most training.seq_len - 2 = {seq_len - 2}: MTP module k predicts the "
+            f"token k + 1 ahead, so module {depth} needs sequences of at least {depth + 2} tokens",
+            "use 1 (DeepSeek-V3's), or 0 to turn multi-token prediction off",
+        )
     if depth > 0 and cfg.training.loss_chunk_size > 0:
         # the chunked loss defers the output head: the MTP modules would get hidden states
         raise ConfigError(

@@ -19,7 +19,7 @@ _OPTIMIZERS = ("default", "AdamW", "Muon")
 def validate_optimizer(cfg: JobConfig) -> None:
     o = cfg.optimizer
     for i, rule in enumerate(o.groups):
-        _validate_rule(f"optimizer.groups[{i}]", rule, o.name)
+        _validate_rule(f"optimizer.groups[{i}]", rule, o.name, o.lr)
     if o.name == "Muon" and (o.moments_dtype != "float32" or o.master_weights_dtype != "float32"):
         field = "moments_dtype" if o.moments_dtype != "float32" else "master_weights_dtype"
         raise ConfigError(
@@ -33,11 +33,14 @@ def validate_optimizer(cfg: JobConfig) -> None:
         _validate_matches(cfg)
 
 
-def _validate_rule(where: str, rule: OptimizerGroup, name: str) -> None:
+def _validate_rule(where: str, rule: OptimizerGroup, name: str, lr: float) -> None:
     bad = [k for k in rule.kinds if k not in KINDS]
     if bad:
         raise ConfigError(
-            f"{where}.kinds", bad, f"names no parameter kind ({', '.join(KINDS)})", "fix them"
+            f"{where}.kinds",
+            bad,
+            "names no parameter kind",
+            f"use kinds from {list(KINDS)} (docs/optimizers.md)",
         )
     if any(not isinstance(n, str) or not n for n in rule.names):
         raise ConfigError(
@@ -52,6 +55,15 @@ def _validate_rule(where: str, rule: OptimizerGroup, name: str) -> None:
         raise ConfigError(f"{where}.lr_mult", lr_mult, "must be a number", "use e.g. 0.5")
     if not math.isfinite(lr_mult) or lr_mult <= 0:
         raise ConfigError(f"{where}.lr_mult", lr_mult, "must be a finite number > 0", "use 1.0")
+    if lr * lr_mult > 1.0:
+        # the bound of optimizer.lr (validate_values.py), applied to each group's effective LR
+        raise ConfigError(
+            f"{where}.lr_mult",
+            lr_mult,
+            f"makes the group's learning rate optimizer.lr x lr_mult = {lr:g} x {lr_mult:g} = "
+            f"{lr * lr_mult:g}, above 1 (the bound of optimizer.lr holds for every group)",
+            f"use lr_mult <= {1.0 / lr:.6g}",
+        )
     wd = rule.weight_decay
     if isinstance(wd, bool) or not isinstance(wd, (int, float)):
         raise ConfigError(f"{where}.weight_decay", wd, "must be a number", "use e.g. 0.0")

@@ -103,7 +103,11 @@ RULES: dict[str, Num] = {
     "model.moe_aux_loss_coef": Num(low=0.0, special=AUTO, fix="use 0 (off), e.g. 0.001, or -1"),
     "model.moe_bias_update_rate": Num(low=0.0, special=AUTO, fix="use 0 (off), e.g. 0.001, or -1"),
     "model.mtp_depth": count(low=0, special=AUTO, fix="use 0 (off), 1, or -1 (the flavor's)"),
-    "model.mtp_loss_weight": Num(low=0.0, special=AUTO, fix="use e.g. 0.3, or -1 (the flavor's)"),
+    # the MTP losses are auxiliary to the next-token loss: a weight above 1 lets them dominate
+    # it (DeepSeek-V3 trains with 0.3, then 0.1; docs/deepseek_v3.md)
+    "model.mtp_loss_weight": Num(
+        low=0.0, high=1.0, special=AUTO, fix="use e.g. 0.3 (DeepSeek-V3's), or -1 (the flavor's)"
+    ),
     # parallelism
     "parallelism.data_parallel_replicate_degree": count(fix="use 1 (no replication) or more"),
     "parallelism.data_parallel_shard_degree": count(special=AUTO, fix="use -1 (every rank left)"),
