@@ -264,8 +264,12 @@ def validate_seed_checkpoint(cfg: JobConfig, world_size: int) -> None:
 
 
 def validate_attention(cfg: JobConfig, cp: int) -> None:
-    """The attention mask and kernel can run here (docs/attention.md)."""
+    """The attention mask and kernel can run here (docs/attention.md); a family's own kernel
+    check (its args' ``device_problem``: Qwen3.5's flash-linear-attention, docs/qwen3_5.md)."""
     m = cfg.model
+    device_problem = getattr(MODELS[m.name].flavors.get(m.flavor), "device_problem", None)
+    if callable(device_problem) and (problem := device_problem(device_type())) is not None:
+        raise problem
     block = m.attn_mask_type == "block_causal"
     if block:
         spec = MODELS[m.name]

@@ -84,7 +84,8 @@ def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
             cp,
             f"model {cfg.model.name} does not support context parallel (its attention cannot "
             "be computed on a sharded sequence)",
-            "set it to 1",
+            "set it to 1; for long sequences split the heads with tensor parallel and "
+            "checkpoint activations instead",
         )
     seq = cfg.training.seq_len
     step = math.lcm(2 * cp, cp * tp)
