@@ -1,0 +1,131 @@
+"""The ``hf`` family (docs/hf_models.md): any transformers causal LM from a local folder.
+
+One process, no process group: our build of eight architectures we do not implement natively
+gives transformers' logits on the same weights, both ways (a transformers folder streamed in
+through the family's adapter; our weights streamed out to a folder transformers loads);
+the plan is found on the model; bad folders and layouts are one-line ConfigErrors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.hf_models import ARCHS, TP_PLANS, save_config, save_model
+from torchtitan.checkpoint import hf_io
+from torchtitan.config.errors import ConfigError
+from torchtitan.models import MODELS, runtime_args
+from torchtitan.preflight.validate import load_config
+
+SPEC = MODELS["hf"]
+VOCAB = 2048  # tests/assets/tokenizer's, what the trainer builds with
+FAST = ("mistral", "gemma3")
+
+
+def _ours(folder: Path, seed: int = 0) -> torch.nn.Module:
+    args = runtime_args(SPEC, str(folder), VOCAB, 64)
+    with torch.device("meta"):
+        model = SPEC.build(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)
+    return model.eval()
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _archs() -> list:
+    return [a if a in FAST else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS]
+
+
+@pytest.mark.parametrize("arch", _archs())
+def test_import_and_export_give_transformers_logits(arch: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "src"
+    theirs = save_model(arch, src).eval()
+    ours = _ours(src, seed=7)  # other weights until the import
+    adapter = SPEC.state_dict_adapter(runtime_args(SPEC, str(src), VOCAB, 64))
+    hf_io.load_hf_streaming([ours], adapter, src)
+    tokens = _tokens()
+    with torch.no_grad():
+        want = theirs(input_ids=tokens).logits
+        got = ours(tokens)
+    assert (got - want).abs().max().item() == 0.0, f"{arch}: import differs"
+
+    fresh = _ours(src, seed=3)
+    out = tmp_path / "out"
+    hf_io.save_hf_streaming(dict(fresh.state_dict()), adapter, out)
+    back = AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        diff = (back(input_ids=tokens).logits - fresh(tokens)).abs().max().item()
+    assert diff == 0.0, f"{arch}: transformers reads our export {diff} apart"
+    assert json.loads((out / "config.json").read_text())["model_type"] == theirs.config.model_type
+
+
+def test_init_is_seeded_by_name_and_counts_match(tmp_path: Path) -> None:
+    folder = save_config("gemma3", tmp_path / "g")
+    a, b, c = _ours(folder, 0), _ours(folder, 0), _ours(folder, 1)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+        if pa.dim() >= 2:
+            assert not torch.equal(pa, pc), name
+    # Gemma's norms scale by (1 + w): transformers initialises them to zero, and so do we
+    assert a.get_submodule("model.norm").weight.abs().max().item() == 0.0
+    args = runtime_args(SPEC, str(folder), VOCAB, 64)
+    assert SPEC.num_params(args) == sum(p.numel() for p in a.parameters())
+    plan = SPEC.parallel_plan(args)
+    assert plan.blocks == "model.layers" and len(plan.blocks_of(a)) == 2
+    assert "self_attn.q_proj" in plan.tensor_parallel.block
+
+
+def _argv(folder: Path, *extra: str) -> list[str]:
+    return ["--model.name", "hf", "--model.flavor", str(folder), *extra]
+
+
+def _refused(argv: list[str], world: int = 1) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(argv, world_size=world)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_bad_folders_are_one_line_errors(tmp_path: Path) -> None:
+    assert "no config.json" not in _refused(_argv(tmp_path / "none"))
+    assert "config.json" in _refused(_argv(tmp_path / "none"))
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "llama9000"}))
+    assert "does not know" in _refused(_argv(unknown))
+    remote = save_config("mistral", tmp_path / "remote")
+    config = json.loads((remote / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (remote / "config.json").write_text(json.dumps(config))
+    assert "trust_remote_code" in _refused(_argv(remote))
+
+
+def test_layouts_the_model_cannot_take_are_refused(tmp_path: Path) -> None:
+    mistral = save_config("mistral", tmp_path / "m")
+    tp3 = _refused(_argv(mistral, "--parallelism.tensor_parallel_degree", "3"), world=3)
+    assert "n_heads=4" in tp3 and "tensor_parallel_degree" in tp3
+    pp = _argv(mistral, "--parallelism.pipeline_parallel_degree", "2")
+    assert "cannot be cut into stages" in _refused(pp, world=2)
+    cp = _argv(mistral, "--parallelism.context_parallel_degree", "2")
+    assert "attention core" in _refused(cp, world=2)
+    olmoe = save_config("olmoe", tmp_path / "o")
+    assert "olmoe" not in TP_PLANS
+    moe_tp = _refused(_argv(olmoe, "--parallelism.tensor_parallel_degree", "2"), world=2)
+    assert "packed_colwise" in moe_tp or "moe_tp_experts" in moe_tp
+    stablelm = tmp_path / "s"
+    import transformers
+
+    transformers.StableLmConfig(**{"hidden_size": 64, "num_hidden_layers": 1}).save_pretrained(
+        stablelm
+    )
+    no_plan = _refused(_argv(stablelm, "--parallelism.tensor_parallel_degree", "2"), world=2)
+    assert "no base_model_tp_plan" in no_plan
