@@ -16,7 +16,8 @@ from torchtitan.models.hf.model import build_hf_model
 from torchtitan.models.hf.parallel_plan import hf_parallel_plan, meta_model
 
 LORA_TARGETS = tuple(
-    f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value")
+    f"self_attn.{p}"
+    for p in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "query_key_value")
 )
 """What ``lora.target_modules = []`` adapts: the attention projections under transformers'
 usual names (those a model lacks are skipped)."""

@@ -132,7 +132,9 @@ def args_from_config(path: str, config: Mapping[str, Any]) -> HFArgs:
         n_kv_heads=int(text.get("num_key_value_heads") or heads),
         head_dim_=int(text.get("head_dim") or (dim // heads if heads else 0)),
         intermediate_size=int(text.get("intermediate_size") or 0),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        tie_word_embeddings=bool(
+            config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        ),
     )
 
 

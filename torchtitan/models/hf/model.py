@@ -121,10 +121,9 @@ def _constant_init(model: nn.Module, module: nn.Module, leaf: str) -> ParamInit:
     with torch.no_grad():
         for p in probe.parameters(recurse=False):
             p.fill_(float("nan"))
-        try:
+        # a class whose init needs more than the module leaves NaN: zeros below
+        with contextlib.suppress(Exception):
             model._init_weights(probe)  # type: ignore[operator]
-        except Exception:  # noqa: BLE001  a class whose init needs more than the module
-            pass
     value = getattr(probe, leaf)
     if bool((value == 1).all()):
         return ParamInit("ones")
@@ -156,9 +155,9 @@ def decoder_layers_path(model: nn.Module) -> str:
     ``_no_split_modules`` (``model.layers`` in most)."""
     no_split = set(getattr(model, "_no_split_modules", None) or ())
     for path, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, LayerDict)) and len(module) > 0:
-            if type(module[0]).__name__ in no_split:
-                return path
+        layers = isinstance(module, (nn.ModuleList, LayerDict)) and len(module) > 0
+        if layers and type(module[0]).__name__ in no_split:  # type: ignore[index]
+            return path
     raise ValueError(
         f"{type(model).__name__}: no nn.ModuleList of its _no_split_modules {sorted(no_split)}"
     )

@@ -106,7 +106,7 @@ def meta_model(args: HFArgs) -> nn.Module:
 
 def _tp_entries(model: nn.Module, blocks: str) -> tuple[dict[str, str], str | None]:
     """The block-relative ``{module: style name}`` of the model's TP plan, or why not."""
-    config = model.config.get_text_config()  # type: ignore[operator]
+    config = model.config.get_text_config()  # type: ignore[operator,union-attr]
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not plan:
         return {}, f"{type(model).__name__} has no base_model_tp_plan in transformers"
