@@ -13,7 +13,7 @@ from torchtitan.distributed.model_plan import ModelParallelPlan
 from torchtitan.models.hf.adapter import PassThroughAdapter
 from torchtitan.models.hf.args import HFArgs, HFFlavors
 from torchtitan.models.hf.model import build_hf_model
-from torchtitan.models.hf.parallel_plan import hf_parallel_plan, meta_model
+from torchtitan.models.hf.parallel_plan import hf_parallel_plan
 
 LORA_TARGETS = tuple(
     f"self_attn.{p}"
@@ -41,11 +41,11 @@ class HFSpec:
         return hf_parallel_plan(args)
 
     def num_params(self, args: HFArgs) -> int:
-        return sum(p.numel() for p in meta_model(args).parameters())
+        return args.num_params()
 
     def flops_per_token(self, args: HFArgs, seq_len: int) -> int:
-        embedding = args.vocab_size * args.dim
-        dense = self.num_params(args) - (0 if args.tie_word_embeddings else embedding)
+        # a tied matrix is also the output projection, a matmul
+        dense = args.num_params(exclude_embedding=not args.tie_word_embeddings)
         attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
         return int(6 * dense + attention)
 

@@ -49,6 +49,15 @@ class HFArgs:
     def hidden_dim(self) -> int:
         return self.intermediate_size
 
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """Parameters of the model built on ``meta`` (exact for any architecture), less the
+        embedding matrix with ``exclude_embedding``. ``active`` counts every expert of a
+        mixture too: the generic family does not know its routing (docs/hf_models.md)."""
+        from torchtitan.models.hf.parallel_plan import meta_model
+
+        n = sum(p.numel() for p in meta_model(self).parameters())
+        return n - self.vocab_size * self.dim if exclude_embedding else n
+
     @cached_property
     def config(self) -> Any:
         """The transformers ``PretrainedConfig`` this run builds: the file's, with our
