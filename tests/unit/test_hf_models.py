@@ -129,3 +129,59 @@ def test_layouts_the_model_cannot_take_are_refused(tmp_path: Path) -> None:
     )
     no_plan = _refused(_argv(stablelm, "--parallelism.tensor_parallel_degree", "2"), world=2)
     assert "no base_model_tp_plan" in no_plan
+
+
+def test_lora_adapters_export_to_peft(tmp_path: Path) -> None:
+    """Default LoRA targets on an hf Mistral; its PEFT export on transformers' model of the same
+    base gives our logits (fp32, 1e-5)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from torchtitan.config.job_config import Lora
+    from torchtitan.lora.apply import apply_lora, init_adapters, with_targets
+    from torchtitan.lora.layers import is_adapter_name
+    from torchtitan.lora.peft_io import save_peft_adapters
+
+    folder = save_config("mistral", tmp_path / "m")
+    model = _ours(folder, seed=1)
+    cfg = with_targets(Lora(enable=True, rank=4, alpha=8.0), SPEC)
+    apply_lora(model, cfg)
+    init_adapters(model, seed=2)
+    with torch.no_grad():  # B starts at zero: give it values so the update shows
+        gen = torch.Generator().manual_seed(5)
+        for name, p in model.named_parameters():
+            if is_adapter_name(name) and "lora_B" in name:
+                p.normal_(0.0, 0.2, generator=gen)
+    adapter = SPEC.state_dict_adapter(runtime_args(SPEC, str(folder), VOCAB, 64))
+    base = {k: v for k, v in model.state_dict().items() if not is_adapter_name(k)}
+    hf_io.save_hf_streaming(base, adapter, tmp_path / "base")
+    written = save_peft_adapters(tmp_path / "peft", dict(model.state_dict()), adapter, cfg)
+    assert len(written) == 2 * 4 * 2  # A and B, four projections, two layers
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="sdpa")
+    theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        diff = (theirs(input_ids=tokens).logits - model.eval()(tokens)).abs().max().item()
+    assert diff <= 1e-5, diff
+
+
+def test_estimate_is_generic_and_equals_native_at_the_same_shape() -> None:
+    """train_configs/hf/llama3_debugmodel is Llama 3 debugmodel's shape as a transformers
+    folder: the estimator, reading the hf family's shape generically, gives the native total
+    and says the estimate is generic."""
+    from torchtitan.plan.estimator import estimate_memory
+
+    ROOT = Path(__file__).resolve().parents[2]
+    folder = str(ROOT / "train_configs" / "hf" / "llama3_debugmodel")
+    base = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml")]
+    native = estimate_memory(load_config(base, world_size=2), 2, device_type="cpu")
+    ours = estimate_memory(load_config([*base, *_argv(Path(folder))], world_size=2), 2)
+    ours_cpu = estimate_memory(
+        load_config([*base, *_argv(Path(folder))], world_size=2), 2, device_type="cpu"
+    )
+    assert ours_cpu.total == native.total and ours.total > 0
+    assert any("generic estimate" in n for n in ours_cpu.notes)
+    assert not any("generic estimate" in n for n in native.notes)
+    args = runtime_args(SPEC, folder, VOCAB, 512)
+    llama = runtime_args(MODELS["llama3"], "debugmodel", VOCAB, 512)
+    assert SPEC.num_params(args) == MODELS["llama3"].num_params(llama)

@@ -33,6 +33,11 @@ class HFSpec:
     flavors: Mapping[str, HFArgs] = field(default_factory=HFFlavors)
     hf_model_types: tuple[str, ...] = ()
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    estimate_note: str = (
+        "generic estimate (hf family): a dense decoder of this config's hidden size, layers, "
+        "heads and intermediate size, not this architecture's own modules (docs/hf_models.md)"
+    )
+    """What the memory estimator says of its figures for this family (``plan/rank_memory.py``)."""
 
     def build(self, args: HFArgs) -> nn.Module:
         return build_hf_model(args.config)

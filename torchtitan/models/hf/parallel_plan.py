@@ -173,7 +173,7 @@ def hf_parallel_plan(args: HFArgs) -> ModelParallelPlan:
     embedding = "model.embed_tokens" if _has(model, "model.embed_tokens") else None
     return ModelParallelPlan(
         blocks=blocks,
-        pipeline_units=(PipelineUnit("model", ("model", "lm_head")),),
+        pipeline_units=_units(blocks, len(model.get_submodule(blocks)), embedding),
         tensor_parallel=tensor_parallel,
         embedding=embedding,
         context_parallel=None,
@@ -188,3 +188,10 @@ def _has(model: nn.Module, path: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def _units(blocks: str, n: int, embedding: str | None) -> tuple[PipelineUnit, ...]:
+    """The model in order (what the memory estimator walks; pipeline parallel is refused)."""
+    layers = [PipelineUnit(f"{blocks}.{i}", (f"{blocks}.{i}",)) for i in range(n)]
+    first = PipelineUnit("embedding", (embedding,) if embedding else ())
+    return (first, *layers, PipelineUnit("head", ("lm_head",)))
