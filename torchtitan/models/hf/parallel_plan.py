@@ -173,7 +173,7 @@ def hf_parallel_plan(args: HFArgs) -> ModelParallelPlan:
     embedding = "model.embed_tokens" if _has(model, "model.embed_tokens") else None
     return ModelParallelPlan(
         blocks=blocks,
-        pipeline_units=_units(blocks, len(model.get_submodule(blocks)), embedding),
+        pipeline_units=_units(blocks, len(model.get_submodule(blocks)), embedding),  # type: ignore[arg-type]
         tensor_parallel=tensor_parallel,
         embedding=embedding,
         context_parallel=None,
