@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,8 +69,37 @@ class HFTrainable(nn.Module):
     _titan_buffers: list[tuple[nn.Module, str, torch.Tensor]]
     _titan_init_range: float
 
-    def forward(self, tokens: torch.Tensor, **_: Any) -> torch.Tensor:  # type: ignore[override]
-        out = super().forward(input_ids=tokens, use_cache=False)  # type: ignore[misc]
+    def forward(  # type: ignore[override]
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: Any = None,
+        doc_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits of ``tokens`` ``[B, S]``. ``cache`` (generation, ``models/common/kv_cache.py``):
+        ``tokens`` continue the cached sequence at ``positions``; the keys and values live in a
+        transformers ``DynamicCache`` the cache object carries, its length in the cache's one
+        entry. Document masks are not supported (validation refuses ``block_causal``)."""
+        if doc_ids is not None:
+            raise ValueError("the hf family has no block-causal document mask")
+        if cache is None:
+            if positions is not None:
+                raise ValueError("the hf family takes positions only with a KV cache")
+            out = super().forward(input_ids=tokens, use_cache=False)  # type: ignore[misc]
+            return out.logits
+        from transformers import DynamicCache
+
+        hf_cache = getattr(cache, "hf_cache", None)
+        if hf_cache is None:
+            hf_cache = cache.hf_cache = DynamicCache(config=self.config)  # type: ignore[arg-type]
+        pos = None if positions is None else positions.reshape(1, -1).expand(tokens.shape[0], -1)
+        # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns)
+        params = inspect.signature(super().forward).parameters  # type: ignore[misc]
+        name = "cache" if "cache" in params else "past_key_values"
+        out = super().forward(  # type: ignore[misc]
+            input_ids=tokens, use_cache=True, position_ids=pos, **{name: hf_cache}
+        )
+        cache.layer("hf").length += tokens.shape[1]
         return out.logits
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
