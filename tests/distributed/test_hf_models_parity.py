@@ -88,3 +88,14 @@ def test_trained_checkpoint_exports_to_transformers(arch: str, tmp_path: Path) -
     with torch.no_grad():
         diff = (theirs(input_ids=tokens).logits - ours.eval()(tokens)).abs().max().item()
     assert diff == 0.0, f"{arch}: transformers' logits {diff} apart from ours"
+
+
+@pytest.mark.slow
+def test_hf_model_compiled_and_checkpointed_per_layer_matches_eager(tmp_path: Path) -> None:
+    """Activation checkpointing and torch.compile wrap each decoder layer (the blocks the plan
+    finds); the losses stay those of the eager run."""
+    model = [*_model(tmp_path, "gemma3"), "--training.local_batch_size", "8"]
+    ref = train_metrics(model, 1, tmp_path / "eager", 4)
+    extra = ["--activation_checkpoint.mode", "full", "--compile.enable"]
+    got = train_metrics([*model, *extra], 1, tmp_path / "compiled", 4)
+    assert_losses_match(losses(ref), losses(got), rtol=LOSS_RTOL, label="hf gemma3 ac+compile")

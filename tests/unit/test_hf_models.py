@@ -210,3 +210,14 @@ def test_eval_loading_and_generation_match_transformers(tmp_path: Path) -> None:
     with torch.no_grad():
         want = theirs.generate(prompt, max_new_tokens=6, do_sample=False, min_new_tokens=6)
     assert torch.equal(cached, plain) and torch.equal(plain, want), (cached, plain, want)
+
+
+def test_train_entry_point_exits_2_on_a_bad_folder(tmp_path: Path, capsys) -> None:
+    from torchtitan.train import main
+
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "llama9000"}))
+    assert main(_argv(unknown)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("llama9000" in line and "model.flavor" in line for line in err), err

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.models.hf.model import meta_model
 
 FIELD = "model.flavor"
 
@@ -53,8 +54,6 @@ class HFArgs:
         """Parameters of the model built on ``meta`` (exact for any architecture), less the
         embedding matrix with ``exclude_embedding``. ``active`` counts every expert of a
         mixture too: the generic family does not know its routing (docs/hf_models.md)."""
-        from torchtitan.models.hf.parallel_plan import meta_model
-
         n = sum(p.numel() for p in meta_model(self).parameters())
         return n - self.vocab_size * self.dim if exclude_embedding else n
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -218,3 +219,11 @@ def build_hf_model(config: Any, attn_implementation: str = "sdpa") -> nn.Module:
     text = config.get_text_config()
     model._titan_init_range = float(getattr(text, "initializer_range", 0.02) or 0.02)
     return model
+
+
+@functools.lru_cache(maxsize=8)
+def meta_model(args: Any) -> nn.Module:
+    """The model of ``args`` (``HFArgs``) on ``meta``: the plan, the parameter count and the
+    estimator read it (building under ``meta`` allocates nothing)."""
+    with torch.device("meta"):
+        return build_hf_model(args.config)

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +33,7 @@ from torch.distributed.tensor.parallel import (
 from torchtitan.distributed.model_plan import ModelParallelPlan, TensorParallelPlan
 from torchtitan.distributed.pipeline_plan import PipelineUnit
 from torchtitan.models.hf.args import HFArgs
-from torchtitan.models.hf.model import build_hf_model, decoder_layers_path
+from torchtitan.models.hf.model import decoder_layers_path, meta_model
 
 PIPELINE_REFUSAL = (
     "transformers runs its decoder as one forward over all layers (the attention mask and "
@@ -94,14 +93,6 @@ def _style(name: str) -> ParallelStyle | None:
     }
     make = styles.get(name)
     return make() if make is not None else None
-
-
-@functools.lru_cache(maxsize=8)
-def meta_model(args: HFArgs) -> nn.Module:
-    """The model of ``args`` on ``meta`` (the plan, the parameter count and the estimator read
-    it; building under ``meta`` allocates nothing)."""
-    with torch.device("meta"):
-        return build_hf_model(args.config)
 
 
 def _tp_entries(model: nn.Module, blocks: str) -> tuple[dict[str, str], str | None]:
