@@ -35,12 +35,16 @@ def _slow_unless(fast: bool, value: object) -> object:
     return value if fast else pytest.param(value, marks=pytest.mark.slow)
 
 
+HSDP = [*FSDP2[:1], "2", "--parallelism.data_parallel_replicate_degree", "2"]
+HSDP += ["--parallelism.data_parallel_shard_degree", "2"]
+"""HSDP: 2 replicas x FSDP 2, 2 sequences per rank."""
+
 CASES = [
     _slow_unless(arch == "mistral" and name == "fsdp2", (arch, name))
     for arch in ARCHS
     for name in ("fsdp2", "fsdp2_tp2")
     if name == "fsdp2" or arch in TP_PLANS
-]
+] + [pytest.param(("mistral", "hsdp"), marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}")
@@ -50,7 +54,7 @@ def test_hf_model_matches_one_process(case: tuple[str, str], tmp_path: Path) -> 
     ref = train_metrics([*model, "--training.local_batch_size", "8"], 1, tmp_path / "one", STEPS)
     first, last = ref[0]["loss"], ref[-1]["loss"]
     assert last < first - 0.3, f"{arch} did not learn: {first:.3f} -> {last:.3f}"
-    extra, world = (FSDP2, 2) if layout == "fsdp2" else (FSDP2_TP2, 4)
+    extra, world = {"fsdp2": (FSDP2, 2), "fsdp2_tp2": (FSDP2_TP2, 4), "hsdp": (HSDP, 4)}[layout]
     got = train_metrics([*model, *extra], world, tmp_path / layout, STEPS)
     label = f"hf {arch} {layout}"
     assert_losses_match(losses(ref), losses(got), rtol=LOSS_RTOL, label=label)
