@@ -27,13 +27,14 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3Config", {}),
     "olmo2": ("Olmo2Config", {}),
     "smollm3": ("SmolLM3Config", {}),
+    "smollm3_tied": ("SmolLM3Config", {"tie_word_embeddings": True}),
     "granite": ("GraniteConfig", {"logits_scaling": 2.0, "residual_multiplier": 0.5}),
     "glm4": ("Glm4Config", {"head_dim": 16}),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2}),
 }
 """Name -> (transformers config class, what differs from ``SHAPE``)."""
 
-TP_PLANS = {"mistral", "gemma3", "phi3", "olmo2", "smollm3", "granite", "glm4"}
+TP_PLANS = {"mistral", "gemma3", "phi3", "olmo2", "smollm3", "smollm3_tied", "granite", "glm4"}
 """The architectures whose transformers TP plan we apply (OLMoE's packs its experts)."""
 
 

@@ -130,13 +130,18 @@ class HFTrainable(nn.Module):
         std = self._titan_init_range
         plan: dict[str, ParamInit] = {}
         owners = dict(self.named_modules())
+        probed: dict[tuple[type, str], ParamInit] = {}  # one probe per module class and leaf
         for name, param in self.named_parameters():
             fqn = _clean(name)
             if param.dim() >= 2:
                 plan[fqn] = ParamInit("trunc_normal", std=std)
                 continue
             owner_name, _, leaf = name.rpartition(".")
-            plan[fqn] = _constant_init(self, owners[owner_name], leaf)
+            owner = owners[owner_name]
+            key = (type(owner), leaf)
+            if key not in probed:
+                probed[key] = _constant_init(self, owner, leaf)
+            plan[fqn] = probed[key]
         return plan
 
 
