@@ -144,7 +144,8 @@ def test_lora_adapters_export_to_peft(tmp_path: Path) -> None:
 
     folder = save_config("mistral", tmp_path / "m")
     model = _ours(folder, seed=1)
-    cfg = with_targets(Lora(enable=True, rank=4, alpha=8.0), SPEC)
+    args = runtime_args(SPEC, str(folder), VOCAB, 64)
+    cfg = with_targets(Lora(enable=True, rank=4, alpha=8.0), SPEC, args)
     apply_lora(model, cfg)
     init_adapters(model, seed=2)
     with torch.no_grad():  # B starts at zero: give it values so the update shows
