@@ -79,6 +79,9 @@ class RankMemory:
         self.offload = cfg.parallelism.fsdp_cpu_offload and self.fsdp
         self.shapes = stage_shapes(a, self.tp)
         self.notes: list[str] = []
+        generic = getattr(MODELS[cfg.model.name], "estimate_note", None)
+        if generic:  # the family's shape is read generically (the hf family)
+            self.notes.append(generic)
         self._hold(steady_state)
         self._gather()
         self._activations()
