@@ -148,3 +148,11 @@ class PreferenceDataset(IterableDataset, Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume = int(state_dict["next_pair"])
+
+
+def preference_batches(ds: PreferenceDataset, batch_size: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Microbatches of ``batch_size`` pairs: four ``[batch_size, seq_len]`` tensors."""
+    rows = iter(ds)
+    while True:
+        chunk = [next(rows) for _ in range(batch_size)]
+        yield tuple(torch.stack(col) for col in zip(*chunk, strict=True))
