@@ -129,12 +129,15 @@ def grpo_loss(
     epsilon_high: float = 0.2,
     loss_type: GrpoLossType = "grpo",
     max_completion_length: int | None = None,
+    count: torch.Tensor | None = None,
 ) -> GrpoLoss:
     """The clipped policy-ratio loss over completion tokens ``[B, T]`` (``mask`` 1 on completion
     tokens), with advantages ``[B]``, plus ``beta`` times the k3 KL to ``ref_logps``. Averaging:
     ``grpo`` each sequence's token mean, then the mean over sequences (sequence level);
     ``bnpo`` the mean over all completion tokens (token level); ``dr_grpo`` the token sum over
-    ``B * max_completion_length``."""
+    ``B * max_completion_length``. ``count`` replaces the local count these divide by
+    (sequences for ``grpo``/``dr_grpo``, tokens for ``bnpo``): the global batch's count over the
+    data-parallel degree, so that averaged gradients are the global batch's."""
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)
     ratio = torch.exp(logps - old_logps)
@@ -147,13 +150,16 @@ def grpo_loss(
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         per_token = per_token + beta * kl
     if loss_type == "grpo":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        loss = seq.mean() if count is None else seq.sum() / count
     elif loss_type == "bnpo":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        n = mask.sum().clamp(min=1.0) if count is None else count
+        loss = (per_token * mask).sum() / n
     elif loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("grpo loss_type 'dr_grpo' needs max_completion_length")
-        loss = (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
+        n = per_token.size(0) if count is None else count
+        loss = (per_token * mask).sum() / (n * max_completion_length)
     else:
         raise ValueError(f"unknown grpo loss_type {loss_type!r}")
     return GrpoLoss(loss, ratio, kl)
