@@ -28,7 +28,9 @@ def problems(n: int, seed: int, top: int) -> list[tuple[str, str, str]]:
     for _ in range(n):
         a, b = rng.randint(0, top), rng.randint(0, top)
         wrong = a + b + rng.choice([-2, -1, 1, 2])
-        out.append((f"What is {a}+{b}?", str(a + b), str(max(wrong, 0) if wrong != a + b else wrong + 1)))
+        out.append(
+            (f"What is {a}+{b}?", str(a + b), str(max(wrong, 0) if wrong != a + b else wrong + 1))
+        )
     return out
 
 
@@ -48,7 +50,9 @@ def write(out: Path, n: int, seed: int, top: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("out", type=Path)
     p.add_argument("--n", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)

@@ -18,7 +18,13 @@ from tests.parity import DEBUG_TOML, TINY
 
 STEPS = 4
 PAIRS = 4  # per step, global
-LORA = ["--lora.enable", "--lora.rank", "4", "--lora.target_modules", "attention.w*,feed_forward.w*"]
+LORA = [
+    "--lora.enable",
+    "--lora.rank",
+    "4",
+    "--lora.target_modules",
+    "attention.w*,feed_forward.w*",
+]
 
 
 def _dpo_rank(argv: list[str], dump: str, data: str, loss_type: str) -> list[dict]:
@@ -52,8 +58,18 @@ def _run(tmp: Path, world: int, argv: list[str], loss_type: str = "sigmoid") -> 
     if not data.exists():
         write(data, 32, 0, 9)
     dump = tmp / f"dump_{world}_{len(argv)}"
-    argv = ["--training.steps", str(STEPS), "--optimizer.lr", "1e-2", "--training.local_batch_size", str(8 // world), *argv]
-    return run_ranks(_dpo_rank, world, argv, str(dump), str(data / "preference.jsonl"), loss_type)[0]
+    argv = [
+        "--training.steps",
+        str(STEPS),
+        "--optimizer.lr",
+        "1e-2",
+        "--training.local_batch_size",
+        str(8 // world),
+        *argv,
+    ]
+    return run_ranks(_dpo_rank, world, argv, str(dump), str(data / "preference.jsonl"), loss_type)[
+        0
+    ]
 
 
 def _match(ref: list[dict], got: list[dict], label: str) -> None:
@@ -71,17 +87,28 @@ def test_dpo_fsdp2_equals_one_process(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_dpo_tp2_equals_one_process(tmp_path: Path) -> None:
     one = _run(tmp_path, 1, [])
-    tp = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]
+    tp = [
+        "--parallelism.data_parallel_shard_degree",
+        "1",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+    ]
     _match(one, _run(tmp_path, 2, tp), "tp2")
 
 
 @pytest.mark.slow
 def test_dpo_lora_fsdp2_equals_one_process(tmp_path: Path) -> None:
     one = _run(tmp_path, 1, LORA)
-    _match(one, _run(tmp_path, 2, [*LORA, "--parallelism.data_parallel_shard_degree", "2"]), "lora fsdp2")
+    _match(
+        one,
+        _run(tmp_path, 2, [*LORA, "--parallelism.data_parallel_shard_degree", "2"]),
+        "lora fsdp2",
+    )
 
 
 @pytest.mark.slow
 def test_simpo_fsdp2_equals_one_process(tmp_path: Path) -> None:
     one = _run(tmp_path, 1, [], "simpo")
-    _match(one, _run(tmp_path, 2, ["--parallelism.data_parallel_shard_degree", "2"], "simpo"), "simpo")
+    _match(
+        one, _run(tmp_path, 2, ["--parallelism.data_parallel_shard_degree", "2"], "simpo"), "simpo"
+    )

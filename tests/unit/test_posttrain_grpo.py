@@ -13,25 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny_args import tiny_llama3
-from torchtitan.models import MODELS
+from tests.posttrain_helpers import CharTokenizer, tiny_model
 from torchtitan.posttrain.grpo import GrpoSettings, GrpoStep, read_prompts
 from torchtitan.posttrain.reference import Reference
 from torchtitan.posttrain.rewards import exact_match, format_check, resolve
 from torchtitan.posttrain.rollout import sample_completions
-
-
-class CharTokenizer:
-    """Bytes as ids (vocab 256, EOS 0, no BOS): enough for the chat template and decoding."""
-
-    bos_id = None
-    eos_id = 0
-
-    def encode(self, text: str, bos: bool = True, eos: bool = True) -> list[int]:
-        return [b or 1 for b in text.encode()]
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if 0 < i < 256).decode(errors="replace")
 
 
 def nan_reward(completion: str, answer: str | None) -> float:
@@ -43,14 +29,14 @@ def raising_reward(completion: str, answer: str | None) -> float:
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
-    m = MODELS["llama3"].build(tiny_llama3(dim=32, heads=(2, 1), vocab=256, max_seq_len=64))
-    m.init_weights(seed)
-    return m
+    return tiny_model(seed)
 
 
 def _prompts(tmp_path: Path, n: int = 2) -> Path:
     path = tmp_path / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(n)))
+    path.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(n))
+    )
     return path
 
 
@@ -82,7 +68,9 @@ def test_failing_rewards_skip_their_group_and_count(tmp_path: Path) -> None:
     step = _step(model, [raising_reward])
     m = step.run(prompts)
     assert m["skipped_groups"] == 2 and "grader offline" in step.skipped_reasons[0]
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # no gradient
+    assert all(
+        torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+    )  # no gradient
     m = _step(model, [nan_reward]).run(prompts)
     assert m["skipped_groups"] == 2
 
@@ -92,7 +80,14 @@ def test_step_trains_and_reports(tmp_path: Path) -> None:
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
     m = _step(model, [lambda c, a: float(sum(map(ord, c)) % 7)], beta=0.04).run(prompts)
-    assert set(m) >= {"reward_mean", "reward_std", "kl", "completion_length", "clip_fraction", "entropy"}
+    assert set(m) >= {
+        "reward_mean",
+        "reward_std",
+        "kl",
+        "completion_length",
+        "clip_fraction",
+        "entropy",
+    }
     assert m["skipped_groups"] == 0 and m["entropy"] > 0 and 0 < m["completion_length"] <= 4
     assert m["kl"] == pytest.approx(0.0, abs=1e-7)  # the policy was the reference at this step
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
@@ -102,7 +97,9 @@ def test_bad_settings_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"k >= 2 .*every advantage is 0"):
         _step(_model(), [exact_match], k=1)
     with pytest.raises(ValueError, match="temperature > 0"):
-        sample_completions(_model(), torch.tensor([5, 6]), 2, 3, torch.Generator(), 0, temperature=0.0)
+        sample_completions(
+            _model(), torch.tensor([5, 6]), 2, 3, torch.Generator(), 0, temperature=0.0
+        )
     with pytest.raises(ValueError, match=r"prompts.jsonl:1: prompt of \d+ tokens"):
         read_prompts(_prompts(tmp_path), CharTokenizer(), 12, 8)
 

@@ -63,7 +63,9 @@ def _hf(model: torch.nn.Module, folder: Path) -> Any:
 
     folder.mkdir()
     export_hf(model, MODELS["llama3"].state_dict_adapter(ARGS), folder)
-    hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    )
     outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
     add_fused_lm_head(hf, outputs=outputs)
     return hf
@@ -71,7 +73,10 @@ def _hf(model: torch.nn.Module, folder: Path) -> Any:
 
 def _trl_self(policy: Any, ref: Any, loss_type: str, beta: float, smoothing: float) -> Any:
     acc = SimpleNamespace(
-        device=torch.device("cpu"), gather_for_metrics=lambda t: t, gather=lambda t: t, reduce=lambda t, **_: t
+        device=torch.device("cpu"),
+        gather_for_metrics=lambda t: t,
+        gather=lambda t: t,
+        reduce=lambda t, **_: t,
     )
     return SimpleNamespace(
         model=policy, ref_model=ref, accelerator=acc, aux_loss_enabled=False, ld_alpha=None,
@@ -83,16 +88,21 @@ def _trl_self(policy: Any, ref: Any, loss_type: str, beta: float, smoothing: flo
 
 
 @pytest.mark.parametrize(
-    "loss_type,beta,smoothing", [("sigmoid", 0.1, 0.0), ("hinge", 0.3, 0.0), ("ipo", 0.2, 0.0), ("robust", 0.1, 0.2)]
+    "loss_type,beta,smoothing",
+    [("sigmoid", 0.1, 0.0), ("hinge", 0.3, 0.0), ("ipo", 0.2, 0.0), ("robust", 0.1, 0.2)],
 )
-def test_dpo_loss_and_grads_equal_trl(tmp_path: Path, loss_type: str, beta: float, smoothing: float) -> None:
+def test_dpo_loss_and_grads_equal_trl(
+    tmp_path: Path, loss_type: str, beta: float, smoothing: float
+) -> None:
     from trl import DPOTrainer
 
     policy, ref = _ours(0), _ours(7)
     hf, hf_ref = _hf(policy, tmp_path / "policy"), _hf(ref, tmp_path / "ref")
     ids, mask, attn = _batch()
     inputs = {"input_ids": ids, "attention_mask": attn, "completion_mask": mask}
-    trl_loss = DPOTrainer._compute_loss(_trl_self(hf, hf_ref, loss_type, beta, smoothing), hf, inputs, False)
+    trl_loss = DPOTrainer._compute_loss(
+        _trl_self(hf, hf_ref, loss_type, beta, smoothing), hf, inputs, False
+    )
     trl_loss.backward()
 
     labels = ids[:, 1:].masked_fill(mask[:, 1:] == 0, IGNORE_INDEX)
@@ -107,7 +117,11 @@ def test_dpo_loss_and_grads_equal_trl(tmp_path: Path, loss_type: str, beta: floa
     sums = step.forward_backward((x[:2], labels[:2], x[2:], labels[2:]), torch.tensor(0.5))
     ours_loss = sums[0] / 2
     assert abs(ours_loss.item() - trl_loss.item()) < 1e-5, (ours_loss.item(), trl_loss.item())
-    grads = MODELS["llama3"].state_dict_adapter(ARGS).to_hf({n: p.grad for n, p in policy.named_parameters()})
+    grads = (
+        MODELS["llama3"]
+        .state_dict_adapter(ARGS)
+        .to_hf({n: p.grad for n, p in policy.named_parameters()})
+    )
     worst = max((grads[n] - p.grad).abs().max().item() for n, p in hf.named_parameters())
     assert worst < 1e-5, worst
     # the swap left the policy's weights as they were
@@ -117,7 +131,9 @@ def test_dpo_loss_and_grads_equal_trl(tmp_path: Path, loss_type: str, beta: floa
 def test_dpo_rewards_are_beta_log_ratios() -> None:
     c, r, rc, rr = (torch.tensor([v]) for v in (-3.0, -5.0, -4.0, -4.5))
     s = dpo_losses(c, r, rc, rr, beta=0.5)
-    assert torch.allclose(s.chosen_rewards, torch.tensor([0.5])) and torch.allclose(s.rejected_rewards, torch.tensor([-0.25]))
+    assert torch.allclose(s.chosen_rewards, torch.tensor([0.5])) and torch.allclose(
+        s.rejected_rewards, torch.tensor([-0.25])
+    )
 
 
 def test_simpo_equals_trl_cpo_loss() -> None:
@@ -133,7 +149,9 @@ def test_simpo_equals_trl_cpo_loss() -> None:
         ours = dpo_losses(chosen, rejected, None, None, loss_type="simpo", beta=2.0, label_smoothing=smoothing,
                           chosen_tokens=n_c, rejected_tokens=n_r, simpo_gamma=0.7)  # fmt: skip
         assert torch.allclose(ours.losses, trl_losses, atol=1e-6, rtol=0)
-        assert torch.allclose(ours.chosen_rewards, trl_c) and torch.allclose(ours.rejected_rewards, trl_r)
+        assert torch.allclose(ours.chosen_rewards, trl_c) and torch.allclose(
+            ours.rejected_rewards, trl_r
+        )
 
 
 def _grpo_self(loss_type: str, beta: float, logps: torch.Tensor, max_len: int) -> Any:

@@ -73,7 +73,9 @@ class DpoStep:
             dist_utils.all_reduce_(t, self.dp_mesh, op="sum")
         return t
 
-    def logps(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def logps(
+        self, inputs: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return sequence_logprobs(self.parts[0](inputs), labels)
 
     def forward_backward(self, batch: PreferenceBatch, scale: torch.Tensor) -> torch.Tensor:
@@ -98,13 +100,17 @@ class DpoStep:
         loss = scores.losses.sum() * scale
         loss.backward()
         c, r = scores.chosen_rewards, scores.rejected_rewards
-        return torch.stack([scores.losses.detach().sum(), c.sum(), r.sum(), (c - r).sum(), (c > r).float().sum()])
+        return torch.stack(
+            [scores.losses.detach().sum(), c.sum(), r.sum(), (c - r).sum(), (c > r).float().sum()]
+        )
 
     def run(self, batches: list[PreferenceBatch]) -> dict[str, float]:
         """One optimizer step over ``batches`` (this rank's microbatches); returns the metrics
         averaged over the pairs of the global batch (and ``grad_norm``)."""
         self.optimizer.zero_grad(set_to_none=True)
-        pairs = self._sum(torch.tensor(float(sum(b[0].shape[0] for b in batches)), device=self.device))
+        pairs = self._sum(
+            torch.tensor(float(sum(b[0].shape[0] for b in batches)), device=self.device)
+        )
         scale = self.dp / pairs
         sums = torch.zeros(len(METRICS), device=self.device)
         for batch in batches:
@@ -116,4 +122,3 @@ class DpoStep:
         values = (self._sum(sums) / pairs).tolist()
         self.last = dict(zip(METRICS, values, strict=True)) | {"grad_norm": float(norm)}
         return self.last
-

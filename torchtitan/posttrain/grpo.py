@@ -31,7 +31,15 @@ from torchtitan.posttrain.rewards import RewardFn, score
 from torchtitan.posttrain.rollout import sample_completions
 
 Prompt = tuple[torch.Tensor, "str | None"]  # prompt ids [P], answer
-METRICS = ("reward_mean", "reward_std", "kl", "completion_length", "clip_fraction", "entropy", "skipped_groups")
+METRICS = (
+    "reward_mean",
+    "reward_std",
+    "kl",
+    "completion_length",
+    "clip_fraction",
+    "entropy",
+    "skipped_groups",
+)
 
 
 @dataclass
@@ -47,7 +55,9 @@ class GrpoSettings:
     scale_rewards: bool = True
 
 
-def read_prompts(path: str | Path, tokenizer: ChatTokenizer, seq_len: int, max_new_tokens: int) -> list[Prompt]:
+def read_prompts(
+    path: str | Path, tokenizer: ChatTokenizer, seq_len: int, max_new_tokens: int
+) -> list[Prompt]:
     """Prompt records ``{"prompt": str | messages, "answer": str}`` of a JSONL file, rendered
     with the chat template up to the assistant's turn; ``ValueError`` naming the line of a
     prompt that leaves no room for ``max_new_tokens`` in ``seq_len``."""
@@ -59,7 +69,9 @@ def read_prompts(path: str | Path, tokenizer: ChatTokenizer, seq_len: int, max_n
             rec: dict[str, Any] = json.loads(line)
             p = rec["prompt"]
             msgs = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
-            ids, train = tokenize_conversation(tokenizer, [*msgs, {"role": "assistant", "content": ""}], None)
+            ids, train = tokenize_conversation(
+                tokenizer, [*msgs, {"role": "assistant", "content": ""}], None
+            )
             ids = ids[: train.index(True)]  # up to the (empty) assistant content
             if len(ids) + max_new_tokens > seq_len:
                 raise ValueError(
@@ -67,7 +79,9 @@ def read_prompts(path: str | Path, tokenizer: ChatTokenizer, seq_len: int, max_n
                     f"{max_new_tokens} exceeds training.seq_len = {seq_len}; shorten it or raise seq_len"
                 )
             answer = rec.get("answer")
-            out.append((torch.tensor(ids, dtype=torch.long), None if answer is None else str(answer)))
+            out.append(
+                (torch.tensor(ids, dtype=torch.long), None if answer is None else str(answer))
+            )
     return out
 
 
@@ -97,7 +111,9 @@ class GrpoStep:
             dist_utils.all_reduce_(t, self.dp_mesh, op="sum")
         return t
 
-    def rollout(self, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def rollout(
+        self, prompts: Sequence[Prompt]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """inputs, labels (completion tokens of scored groups only), advantages, rewards (NaN
         for skipped groups), skipped groups."""
         s, model = self.settings, self.parts[0]
@@ -106,9 +122,21 @@ class GrpoStep:
         for prompt, answer in prompts:
             prompt = prompt.to(self.device)
             ids, mask = sample_completions(
-                model, prompt, s.k, s.max_new_tokens, self.generator, self.tokenizer.eos_id, s.temperature, s.top_k
+                model,
+                prompt,
+                s.k,
+                s.max_new_tokens,
+                self.generator,
+                self.tokenizer.eos_id,
+                s.temperature,
+                s.top_k,
             )
-            texts = [self.tokenizer.decode([t for t in r[m.bool()].tolist() if t != self.tokenizer.eos_id]) for r, m in zip(ids, mask, strict=True)]
+            texts = [
+                self.tokenizer.decode(
+                    [t for t in r[m.bool()].tolist() if t != self.tokenizer.eos_id]
+                )
+                for r, m in zip(ids, mask, strict=True)
+            ]
             values, reason = score(self.rewards, self.reward_weights, texts, answer)
             if reason is not None:
                 skipped += 1
@@ -119,7 +147,9 @@ class GrpoStep:
             else:
                 adv = group_advantages(torch.tensor(values), s.k, s.scale_rewards)
             for r, m in zip(ids, mask, strict=True):
-                row = torch.full((width,), self.tokenizer.eos_id, dtype=torch.long, device=self.device)
+                row = torch.full(
+                    (width,), self.tokenizer.eos_id, dtype=torch.long, device=self.device
+                )
                 row[: len(prompt)] = prompt
                 row[len(prompt) : len(prompt) + len(r)] = r
                 lab = torch.full((width,), IGNORE_INDEX, dtype=torch.long, device=self.device)
@@ -165,8 +195,14 @@ class GrpoStep:
         s = self.settings
         ok = ~torch.isnan(rewards)
         r = rewards[ok].to(self.device)
-        kl = (out.kl.detach() * mask).sum() if out.kl is not None else torch.zeros((), device=self.device)
-        clip = clip_fraction(out.ratio.detach(), adv, mask, s.epsilon_low, s.epsilon_high) * mask.sum()
+        kl = (
+            (out.kl.detach() * mask).sum()
+            if out.kl is not None
+            else torch.zeros((), device=self.device)
+        )
+        clip = (
+            clip_fraction(out.ratio.detach(), adv, mask, s.epsilon_low, s.epsilon_high) * mask.sum()
+        )
         sums = torch.stack([
             r.sum(), (r * r).sum(), ok.sum().to(self.device).float(), kl, mask.sum(),
             clip, (entropy * mask).sum(), torch.tensor(float(skipped), device=self.device),

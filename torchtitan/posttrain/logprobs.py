@@ -37,7 +37,9 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
         return -(logp.exp() * logp).sum(-1)
 
 
-def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-prob of each row's labelled tokens ``[B]`` and their count ``[B]`` (fp32)."""
     mask = labels != IGNORE_INDEX
     return token_logprobs(logits, labels).sum(-1), mask.sum(-1).float()

@@ -50,7 +50,9 @@ def dpo_losses(
     (``chosen_tokens``/``rejected_tokens``, ``[P]``), as TRL does; ``label_smoothing`` is the
     flip probability of ``robust`` (in [0, 0.5)) and SimPO's conservative smoothing."""
     if loss_type == "simpo":
-        return _simpo(chosen, rejected, chosen_tokens, rejected_tokens, beta, label_smoothing, simpo_gamma)
+        return _simpo(
+            chosen, rejected, chosen_tokens, rejected_tokens, beta, label_smoothing, simpo_gamma
+        )
     if ref_chosen is None or ref_rejected is None:
         raise ValueError(f"dpo loss_type {loss_type!r} needs the reference log-probs")
     chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
@@ -62,7 +64,9 @@ def dpo_losses(
     elif loss_type == "ipo":
         if chosen_tokens is None or rejected_tokens is None:
             raise ValueError("dpo loss_type 'ipo' needs the completion token counts")
-        avg = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+        avg = chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(
+            min=1
+        )
         losses = (avg - 1 / (2 * beta)) ** 2
     elif loss_type == "robust":
         eps = label_smoothing
@@ -89,9 +93,10 @@ def _simpo(
     c_avg = chosen / chosen_tokens.clamp(min=1)
     r_avg = rejected / rejected_tokens.clamp(min=1)
     logits = c_avg - r_avg - gamma / beta
-    losses = -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(
-        -beta * logits
-    ) * label_smoothing
+    losses = (
+        -F.logsigmoid(beta * logits) * (1 - label_smoothing)
+        - F.logsigmoid(-beta * logits) * label_smoothing
+    )
     return PairScores(losses, beta * c_avg.detach(), beta * r_avg.detach())
 
 
@@ -100,7 +105,9 @@ def group_advantages(rewards: torch.Tensor, k: int, scale: bool = True) -> torch
     the reward minus its group's mean, divided by the group's (unbiased) std + 1e-4 when
     ``scale``. ``k = 1`` is refused: every advantage would be zero."""
     if k < 2:
-        raise ValueError(f"GRPO needs k >= 2 completions per prompt (got {k}): with one, every advantage is 0")
+        raise ValueError(
+            f"GRPO needs k >= 2 completions per prompt (got {k}): with one, every advantage is 0"
+        )
     grouped = rewards.view(-1, k)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if scale:
@@ -158,15 +165,19 @@ def grpo_loss(
     elif loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("grpo loss_type 'dr_grpo' needs max_completion_length")
-        n = per_token.size(0) if count is None else count
-        loss = (per_token * mask).sum() / (n * max_completion_length)
+        rows = per_token.size(0) if count is None else count
+        loss = (per_token * mask).sum() / (rows * max_completion_length)
     else:
         raise ValueError(f"unknown grpo loss_type {loss_type!r}")
     return GrpoLoss(loss, ratio, kl)
 
 
 def clip_fraction(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
 ) -> torch.Tensor:
     """Fraction of completion tokens whose ratio the clip holds (TRL's ``clip_ratio/region_mean``)."""
     adv = advantages.unsqueeze(1)

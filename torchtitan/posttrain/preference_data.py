@@ -40,8 +40,7 @@ def _records(path: Path) -> Iterator[tuple[int, Any]]:
     if path.is_dir():  # a Hugging Face dataset saved with save_to_disk
         import datasets
 
-        for i, row in enumerate(datasets.load_from_disk(str(path))):
-            yield i, row
+        yield from enumerate(datasets.load_from_disk(str(path)))
         return
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -49,14 +48,18 @@ def _records(path: Path) -> Iterator[tuple[int, Any]]:
                 try:
                     yield lineno, json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise DataError(FIELD, str(path), f"not JSON ({e.msg})", "fix the record", path, lineno) from None
+                    raise DataError(
+                        FIELD, str(path), f"not JSON ({e.msg})", "fix the record", path, lineno
+                    ) from None
 
 
 def _messages(value: Any, role: str) -> list[Message]:
     if isinstance(value, str):
         return [{"role": role, "content": value}]
     if isinstance(value, list) and all(isinstance(m, dict) for m in value):
-        return [{"role": str(m.get("role", role)), "content": str(m.get("content", ""))} for m in value]
+        return [
+            {"role": str(m.get("role", role)), "content": str(m.get("content", ""))} for m in value
+        ]
     raise ValueError(f"expected a string or a list of messages, got {type(value).__name__}")
 
 
@@ -85,6 +88,11 @@ def tokenize_pair(
         tokens = np.asarray(ids, dtype=np.int64)
         trained = np.asarray(train[1 : len(ids)], dtype=bool)
         trained[: len(prompt_ids) - 1] = False  # the prompt is never trained on
+        if not trained.any():
+            raise ValueError(
+                f"the prompt leaves no room for the {name} completion in training.seq_len = "
+                f"{seq_len} (after the chat template's turn markers)"
+            )
         sides.append((tokens[:-1], np.where(trained, tokens[1:], IGNORE_INDEX)))
     return sides[0], sides[1]
 
@@ -112,7 +120,12 @@ class PreferenceDataset(IterableDataset, Stateful):
     ) -> None:
         self.path = Path(path)
         if not self.path.exists():
-            raise DataError(FIELD, str(path), "no such file or folder", "point it at a JSONL file or a saved dataset")
+            raise DataError(
+                FIELD,
+                str(path),
+                "no such file or folder",
+                "point it at a JSONL file or a saved dataset",
+            )
         self.seq_len, self.pad_id, self.infinite = seq_len, tokenizer.eos_id, infinite
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.pairs: list[tuple[Side, Side]] = []
@@ -120,7 +133,14 @@ class PreferenceDataset(IterableDataset, Stateful):
             try:
                 self.pairs.append(tokenize_pair(record, tokenizer, seq_len, template))
             except ValueError as e:
-                raise DataError(FIELD, str(path), f"preference record: {e}", "fix or remove the record", self.path, where) from None
+                raise DataError(
+                    FIELD,
+                    str(path),
+                    f"preference record: {e}",
+                    "fix or remove the record",
+                    self.path,
+                    where,
+                ) from None
         if not self.pairs:
             raise DataError(FIELD, str(path), "no preference pair", "add records", self.path)
         self._next = 0
@@ -131,7 +151,10 @@ class PreferenceDataset(IterableDataset, Stateful):
 
     def row(self, index: int) -> tuple[torch.Tensor, ...]:
         chosen, rejected = self.pairs[index]
-        return (*_pad(chosen, self.seq_len, self.pad_id), *_pad(rejected, self.seq_len, self.pad_id))
+        return (
+            *_pad(chosen, self.seq_len, self.pad_id),
+            *_pad(rejected, self.seq_len, self.pad_id),
+        )
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         n = len(self.pairs)
@@ -150,7 +173,9 @@ class PreferenceDataset(IterableDataset, Stateful):
         self._resume = int(state_dict["next_pair"])
 
 
-def preference_batches(ds: PreferenceDataset, batch_size: int) -> Iterator[tuple[torch.Tensor, ...]]:
+def preference_batches(
+    ds: PreferenceDataset, batch_size: int
+) -> Iterator[tuple[torch.Tensor, ...]]:
     """Microbatches of ``batch_size`` pairs: four ``[batch_size, seq_len]`` tensors."""
     rows = iter(ds)
     while True:

@@ -66,7 +66,10 @@ def resolve(name: str) -> RewardFn:
 
 
 def score(
-    fns: Sequence[RewardFn], weights: Sequence[float], completions: Sequence[str], answer: str | None
+    fns: Sequence[RewardFn],
+    weights: Sequence[float],
+    completions: Sequence[str],
+    answer: str | None,
 ) -> tuple[list[float], str | None]:
     """The weighted reward of each completion of one group, or ``([], reason)`` when a
     function raised or returned a non-finite value (the group is then skipped)."""

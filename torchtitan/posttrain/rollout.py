@@ -47,7 +47,9 @@ def gathered(model: nn.Module) -> Iterator[None]:
             m.reshard()
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator) -> torch.Tensor:
+def _sample(
+    logits: torch.Tensor, temperature: float, top_k: int, generator: torch.Generator
+) -> torch.Tensor:
     logits = logits.float() / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -70,7 +72,9 @@ def sample_completions(
     """``k`` completions of ``prompt`` (int ``[P]``): ids ``[k, max_new_tokens]`` and a mask
     ``[k, max_new_tokens]`` that is 1 up to and including each row's first EOS."""
     if temperature <= 0:
-        raise ValueError(f"GRPO samples at a temperature > 0 (got {temperature}): greedy completions of a prompt are all the same")
+        raise ValueError(
+            f"GRPO samples at a temperature > 0 (got {temperature}): greedy completions of a prompt are all the same"
+        )
     tokens = prompt.unsqueeze(0).expand(k, -1).contiguous()
     cache = KVCache(prompt.shape[0] + max_new_tokens)
     done = torch.zeros(k, dtype=torch.bool, device=prompt.device)
@@ -79,7 +83,9 @@ def sample_completions(
     out = []
     with gathered(model):
         for t in range(max_new_tokens):
-            positions = torch.arange(cache.length, cache.length + new.shape[1], device=prompt.device)
+            positions = torch.arange(
+                cache.length, cache.length + new.shape[1], device=prompt.device
+            )
             logits = full_logits(model(new, positions=positions, cache=cache))
             nxt = _sample(logits[:, -1], temperature, top_k, generator)
             mask[:, t] = (~done).long()
