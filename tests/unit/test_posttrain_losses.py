@@ -11,6 +11,7 @@ TRL's methods are called on a stand-in ``self`` holding exactly the attributes t
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -137,7 +138,9 @@ def test_dpo_rewards_are_beta_log_ratios() -> None:
 
 
 def test_simpo_equals_trl_cpo_loss() -> None:
-    from trl.experimental.cpo import CPOTrainer
+    with warnings.catch_warnings():  # trl.experimental warns that its API may change
+        warnings.simplefilter("ignore")
+        from trl.experimental.cpo import CPOTrainer
 
     g = torch.Generator().manual_seed(0)
     chosen, rejected = -torch.rand(5, generator=g) * 20, -torch.rand(5, generator=g) * 20
@@ -204,3 +207,25 @@ def test_group_advantages_refuse_k1_and_centre() -> None:
     adv = group_advantages(torch.tensor([1.0, 0, 0, 2, 2, 2]), k=3)
     assert torch.allclose(adv.view(2, 3).sum(1), torch.zeros(2), atol=1e-6)
     assert torch.equal(adv[3:], torch.zeros(3))  # a group of equal rewards teaches nothing
+
+
+@pytest.mark.parametrize(
+    "settings,rule",
+    [
+        (DpoSettings(beta=0.0), "dpo.beta = 0.0 must be > 0"),
+        (DpoSettings("robust", label_smoothing=0.5), r"must lie in \[0, 0.5\)"),
+        (
+            DpoSettings("sigmoid", label_smoothing=0.1),
+            "applies to loss_type 'robust' or 'simpo', not 'sigmoid'",
+        ),
+    ],
+)
+def test_dpo_settings_that_would_be_ignored_or_invalid_are_refused(
+    settings: DpoSettings, rule: str
+) -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=rule):
+        DpoStep([model], opt, None, settings, None, None, torch.device("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs a reference"):
+        DpoStep([model], opt, None, DpoSettings(), None, None, torch.device("cpu"))  # type: ignore[arg-type]

@@ -58,7 +58,11 @@ def test_hf_dataset_equals_jsonl(tmp_path: Path) -> None:
         ),
         ({**PAIR, "prompt": "x" * 60}, 48, r"the prompt is \d+ tokens, leaving no room"),
         ({**PAIR, "prompt": "x" * 10}, 30, "the prompt leaves no room for the chosen completion"),
-        ({"prompt": "a", "chosen": "b"}, 48, 'expected an object with "prompt", "chosen" and "rejected"'),
+        (
+            {"prompt": "a", "chosen": "b"},
+            48,
+            'expected an object with "prompt", "chosen" and "rejected"',
+        ),
     ],
 )
 def test_bad_records_are_refused(tmp_path: Path, record: dict, seq_len: int, rule: str) -> None:

@@ -61,6 +61,9 @@ class DpoStep:
     last: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        problem = check_settings(self.settings)
+        if problem is not None:
+            raise ValueError(problem)
         if self.reference is None and self.settings.loss_type not in REFERENCE_FREE:
             raise ValueError(f"dpo loss_type {self.settings.loss_type!r} needs a reference")
 

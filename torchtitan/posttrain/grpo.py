@@ -103,8 +103,23 @@ class GrpoStep:
 
     def __post_init__(self) -> None:
         group_advantages(torch.zeros(max(self.settings.k, 1)), self.settings.k)  # refuses k = 1
-        if self.settings.beta != 0 and self.reference is None:
+        s = self.settings
+        if s.beta != 0 and self.reference is None:
             raise ValueError("grpo.beta != 0 needs a reference")
+        if (
+            s.beta < 0
+            or s.temperature <= 0
+            or s.max_new_tokens < 1
+            or min(s.epsilon_low, s.epsilon_high) < 0
+        ):
+            raise ValueError(
+                f"grpo settings out of range: beta {s.beta} (>= 0), temperature {s.temperature} (> 0), "
+                f"max_new_tokens {s.max_new_tokens} (>= 1), epsilon_low/high {s.epsilon_low}/{s.epsilon_high} (>= 0)"
+            )
+        if len(self.rewards) != len(self.reward_weights) or not self.rewards:
+            raise ValueError(
+                f"{len(self.rewards)} reward functions but {len(self.reward_weights)} weights"
+            )
 
     def _sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.dp_mesh is not None and self.dp_mesh.size() > 1:
