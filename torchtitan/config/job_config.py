@@ -206,6 +206,9 @@ class Parallelism:
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """For context_parallel_method ring: how torch rotates the K/V shards between cp ranks."""
 
+    context_parallel_load_balancer: Literal["headtail", "document"] = "headtail"
+    """Which tokens each cp rank holds: headtail (chunks r and 2cp-1-r of the sequence: equal causal work) or document (chunks r and 2cp-1-r of every packed document: equal block-causal work with documents of mixed lengths; needs model.attn_mask_type block_causal and context_parallel_method allgather). docs/context_parallel.md."""
+
     expert_parallel_degree: int = 1
     """Expert parallel degree (MoE models): the routed experts are split over this many ranks, borrowed from data_parallel_shard_degree (which it must divide); tokens reach their experts by all-to-all. Experts are FSDP-sharded over the remaining dp_shard / ep ranks (docs/parallelisms.md)."""
 

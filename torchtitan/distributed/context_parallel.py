@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
+from torchtitan.distributed.cp_layout import shard_index, take_tokens
 from torchtitan.tools.torch_compat import all_gather_autograd
 
 __all__ = [
@@ -52,16 +53,16 @@ __all__ = [
 
 class DocumentMask(Protocol):
     """What the all-gather core needs of the model's attention mask (``AttentionMask`` in
-    ``models/common/attention.py``): this rank's document ids and the mask at given positions."""
+    ``models/common/attention.py``): this rank's document ids and the positions the model
+    rotated them by (RoPE; ``None`` means the head-tail global positions)."""
 
     doc_ids: torch.Tensor
+    positions: torch.Tensor | None
 
-    def dense(
-        self,
-        q_idx: torch.Tensor | None = None,
-        kv_idx: torch.Tensor | None = None,
-        doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
+
+QUERY_BLOCK = 512
+"""Queries per block of the block-causal all-gather core: each block attends only to the key
+columns some of its queries may see (the rest, other documents' keys, are skipped)."""
 
 
 def load_balanced_positions(
@@ -101,13 +102,14 @@ class AllGatherKVAttention(nn.Module):
     ``n_rep``-th head is gathered (n_rep times less traffic) and the repeat is done after.
     """
 
-    def __init__(self, cp_mesh: DeviceMesh, n_rep: int) -> None:
+    def __init__(self, cp_mesh: DeviceMesh, n_rep: int, query_block: int = QUERY_BLOCK) -> None:
         super().__init__()
         self.cp_mesh = cp_mesh
         self.cp = cp_mesh.size()
         self.rank = cp_mesh.get_local_rank()
         self.n_rep = n_rep
         self.order = chunk_order(self.cp)
+        self.query_block = query_block
 
     def extra_repr(self) -> str:
         return f"cp={self.cp}, rank={self.rank}, n_rep={self.n_rep}"
@@ -152,33 +154,52 @@ class AllGatherKVAttention(nn.Module):
     def _document_masked(
         self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: DocumentMask
     ) -> torch.Tensor:
-        """Block-causal attention: the document ids are gathered like K/V, and each local
-        chunk's queries use the model's mask at their global positions over keys ``0 ..``."""
-        c = q.shape[2] // 2
-        doc_all = self._gather_sequence(mask.doc_ids.t()).t()  # [B, S], global order
+        """Block-causal attention for any load balancer: the document ids and positions of
+        the tokens are gathered like K/V, so every key is known by (document, position) and
+        each query attends to the keys of its document at or before it. Queries go in blocks
+        of ``query_block``; a block computes only the key columns one of its queries may see
+        (skipping the other documents' keys), recomputed in backward like ``_masked_chunk``."""
+        batch, local = q.shape[0], q.shape[2]
+        pos = mask.positions
+        if pos is None:  # the forward got no positions: the head-tail layout's
+            pos = load_balanced_positions(local * self.cp, self.cp, self.rank, q.device)
+        q_pos = pos.to(q.device).expand(batch, local)
+        q_doc = mask.doc_ids
+        k_pos = self._gather_sequence(q_pos.t().contiguous()).t()  # [B, S], as K/V
+        k_doc = self._gather_sequence(q_doc.t().contiguous()).t()
         outs = []
-        for slot, g in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
-            q_g = q[:, :, slot * c : (slot + 1) * c]
-            k_g, v_g = k_all[:, :, : (g + 1) * c], v_all[:, :, : (g + 1) * c]
-            args = (q_g, k_g, v_g, mask, doc_all, g * c)
-            outs.append(checkpoint(_document_chunk, *args, use_reentrant=False))
+        for start in range(0, local, self.query_block):
+            blk = slice(start, min(start + self.query_block, local))
+            args = (q[:, :, blk], k_all, v_all, q_pos[:, blk], q_doc[:, blk], k_pos, k_doc)
+            outs.append(checkpoint(_document_block, *args, use_reentrant=False))
         return torch.cat(outs, dim=2)
 
 
-def _document_chunk(
+def document_pairs(
+    q_pos: torch.Tensor, q_doc: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor
+) -> torch.Tensor:
+    """Bool ``[B, Lq, Lk]``: query ``i`` may attend to key ``j`` (same document, at or before
+    it). The model's block-causal mask (``document_causal_mask_mod``) at explicit positions."""
+    same_doc = k_doc[:, None, :] == q_doc[:, :, None]
+    return same_doc & (k_pos[:, None, :] <= q_pos[:, :, None])
+
+
+def _document_block(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: DocumentMask,
-    doc_all: torch.Tensor,
-    offset: int,
+    q_pos: torch.Tensor,
+    q_doc: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_doc: torch.Tensor,
 ) -> torch.Tensor:
-    """Queries at global positions ``offset ..`` over keys ``0 ..``, masked by ``mask``'s
-    definition (position and document); recomputed in backward like ``_masked_chunk``."""
-    q_pos = torch.arange(offset, offset + q.shape[2], device=q.device)
-    kv_pos = torch.arange(k.shape[2], device=q.device)
-    dense = mask.dense(q_pos, kv_pos, doc_all)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    """One block of queries over the key columns any of them may attend to (every query sees
+    at least itself, so no row is empty)."""
+    allowed = document_pairs(q_pos, q_doc, k_pos, k_doc)
+    cols = allowed.any(dim=1).any(dim=0).nonzero().squeeze(1)
+    if cols.numel() < k.shape[2]:
+        k, v, allowed = k.index_select(2, cols), v.index_select(2, cols), allowed[:, :, cols]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
 
 
 def _masked_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
@@ -246,10 +267,12 @@ class ContextParallel:
         model_parts: list[nn.Module],
         rotate_method: str = "allgather",
         rope_buffer: str | None = None,
+        balancer: str = "headtail",
     ) -> None:
         self.mesh = cp_mesh
         self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
         self.method = method
+        self.balancer = balancer
         self.model_parts = model_parts
         self.rope_buffer = rope_buffer
         if method == "ring":
@@ -257,17 +280,40 @@ class ContextParallel:
 
             set_rotate_method(rotate_method)
 
+    def shard(
+        self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """This rank's tokens of every ``[B, S]`` tensor, all taken at the same positions (so
+        loss, labels, RoPE positions and document ids stay together). The ``document``
+        balancer's positions differ per sample; the model then gets their global positions as
+        ``positions`` (unless per-document ones are there already)."""
+        if self.balancer == "headtail":
+            return (
+                shard_sequence(inputs, self.cp, self.rank),
+                shard_sequence(labels, self.cp, self.rank),
+                {k: shard_sequence(t, self.cp, self.rank) for k, t in extra.items()},
+            )
+        doc_ids = extra["doc_ids"]  # config validation: the document balancer needs block_causal
+        batch, seq = doc_ids.shape
+        index = shard_index(seq, self.cp, self.rank, self.balancer, doc_ids)
+        if "positions" not in extra:
+            extra = {
+                **extra,
+                "positions": torch.arange(seq, device=doc_ids.device).expand(batch, seq),
+            }
+        return (
+            take_tokens(inputs, index),
+            take_tokens(labels, index),
+            {k: take_tokens(t, index) for k, t in extra.items()},
+        )
+
     @contextlib.contextmanager
     def batch(
         self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any] | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
         extra = extra or {}
         if self.method != "ring":
-            yield (
-                shard_sequence(inputs, self.cp, self.rank),
-                shard_sequence(labels, self.cp, self.rank),
-                {k: shard_sequence(t, self.cp, self.rank) for k, t in extra.items()},
-            )
+            yield self.shard(inputs, labels, extra)
             return
         assert not extra, "ring attention takes no document ids (refused by config validation)"
         from torch.distributed.tensor.experimental import context_parallel

@@ -295,6 +295,15 @@ def validate_attention(cfg: JobConfig, cp: int) -> None:
             "global positions), so a block mask would be built and never used",
             "use auto (sdpa under context parallel) or sdpa",
         )
+    if cfg.parallelism.context_parallel_load_balancer == "document" and not block:
+        raise ConfigError(
+            "parallelism.context_parallel_load_balancer",
+            "document",
+            "the document balancer splits every packed document over the cp ranks, and "
+            f"model.attn_mask_type is {m.attn_mask_type!r} (one causal sequence, which "
+            "headtail already balances)",
+            "add --model.attn_mask_type block_causal, or use headtail",
+        )
     if block and cp > 1 and cfg.parallelism.context_parallel_method == "ring":
         raise ConfigError(
             "parallelism.context_parallel_method",
