@@ -25,6 +25,7 @@ LB = "--training.local_batch_size"
 CP = "--parallelism.context_parallel_degree"
 TP = "--parallelism.tensor_parallel_degree"
 FSDP = "--parallelism.data_parallel_shard_degree"
+DOC_LB = ["--parallelism.context_parallel_load_balancer", "document"]
 
 
 def pp(schedule: str) -> list[str]:
@@ -49,6 +50,14 @@ CASES = {
     "compile": (1, [LB, "8", "--compile.enable"], True),
     "fsdp2xtp2": (4, [FSDP, "2", TP, "2", LB, "4"], True),
     "pp2xfsdp2xcp2": (8, [*pp("1F1B"), FSDP, "2", CP, "2", LB, "4"], True),
+    # Per-document head-tail sharding (docs/context_parallel.md): every sample's tokens are
+    # permuted per its documents; tokens, labels, positions and ids move together.
+    "cp2_document": (2, [CP, "2", *DOC_LB, LB, "8"], False),
+    "cp4": (4, [CP, "4", LB, "8"], True),
+    "cp4_document": (4, [CP, "4", *DOC_LB, LB, "8"], True),
+    "fsdp2xcp2_document": (4, [FSDP, "2", CP, "2", *DOC_LB, LB, "4"], True),
+    "tp2xcp2_document": (4, [TP, "2", CP, "2", *DOC_LB, LB, "8"], True),
+    "pp2xcp2_document": (4, [*pp("1F1B"), CP, "2", *DOC_LB, LB, "8"], True),
 }
 _REFERENCE: dict[str, list[dict]] = {}
 
@@ -83,13 +92,17 @@ def test_block_causal_matches_single_process(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("balancer", ["headtail", "document"])
 def test_document_positions_cp2_matches_single_process(
-    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, balancer: str
 ) -> None:
-    """Per-document RoPE positions are computed on the whole sequence, then sharded by CP."""
+    """Per-document RoPE positions are computed on the whole sequence, then sharded by CP
+    (under the document balancer, permuted with the tokens)."""
     ref = block_reference(tmp_path_factory, DOC_POS)
-    overrides = [*BLOCK, *DOC_POS, CP, "2", LB, "8"]
-    check_parity(ref, overrides, 2, tmp_path, label="block_causal + document positions, CP 2")
+    lb = ["--parallelism.context_parallel_load_balancer", balancer]
+    overrides = [*BLOCK, *DOC_POS, *lb, CP, "2", LB, "8"]
+    label = f"block_causal + document positions, CP 2 {balancer}"
+    check_parity(ref, overrides, 2, tmp_path, label=label)
 
 
 def test_block_causal_bitwise_resume(tmp_path: Path) -> None:
