@@ -26,6 +26,7 @@ CP = "--parallelism.context_parallel_degree"
 TP = "--parallelism.tensor_parallel_degree"
 FSDP = "--parallelism.data_parallel_shard_degree"
 DOC_LB = ["--parallelism.context_parallel_load_balancer", "document"]
+RING = ["--parallelism.context_parallel_method", "ring"]
 
 
 def pp(schedule: str) -> list[str]:
@@ -58,6 +59,12 @@ CASES = {
     "fsdp2xcp2_document": (4, [FSDP, "2", CP, "2", *DOC_LB, LB, "4"], True),
     "tp2xcp2_document": (4, [TP, "2", CP, "2", *DOC_LB, LB, "8"], True),
     "pp2xcp2_document": (4, [*pp("1F1B"), CP, "2", *DOC_LB, LB, "8"], True),
+    # Ring attention with the document mask (distributed/cp_ring.py), both balancers.
+    "cp2_ring": (2, [CP, "2", *RING, LB, "8"], True),
+    "cp4_ring_document": (4, [CP, "4", *RING, *DOC_LB, LB, "8"], True),
+    "fsdp2xcp2_ring_document": (4, [FSDP, "2", CP, "2", *RING, *DOC_LB, LB, "4"], True),
+    "tp2xcp2_ring": (4, [TP, "2", CP, "2", *RING, LB, "8"], True),
+    "pp2xcp2_ring_document": (4, [*pp("1F1B"), CP, "2", *RING, *DOC_LB, LB, "8"], True),
 }
 _REFERENCE: dict[str, list[dict]] = {}
 

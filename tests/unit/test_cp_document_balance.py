@@ -22,6 +22,7 @@ from torchtitan.distributed.cp_layout import (
     shard_index,
     take_tokens,
 )
+from torchtitan.distributed.cp_ring import RingDocumentAttention
 from torchtitan.models.common.attention import AttentionMask
 from torchtitan.preflight.validate import validate_config
 
@@ -90,47 +91,66 @@ def test_block_skips_other_documents_keys(monkeypatch: pytest.MonkeyPatch) -> No
     assert widths == [10]  # keys 10..19, not 32
 
 
-def _doc_attention_rank(balancer: str, block: int) -> dict[str, Any]:
+def _doc_attention_rank(method: str, balancer: str, block: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     cp, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.distributed.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))
-    q, k, v, grad_out, ids = _doc_inputs()
+    q, k, v, grad_out, ids = _doc_inputs(short=(method, balancer) == ("ring", "headtail"))
     idx = shard_index(ids.shape[1], cp, rank, balancer, ids)
     local = [take_tokens(t.transpose(1, 2), idx).transpose(1, 2).detach() for t in (q, k, v)]
     for t in local:
         t.requires_grad_()
     pos = idx.expand(ids.shape[0], -1) if idx.dim() == 1 else idx
     mask = AttentionMask(take_tokens(ids, idx), positions=pos)
-    out = cpmod.AllGatherKVAttention(mesh, 1, query_block=block)(*local, mask)
+    if method == "ring":
+        core: torch.nn.Module = RingDocumentAttention(mesh, 1)
+    else:
+        core = cpmod.AllGatherKVAttention(mesh, 1, query_block=block)
+    out = core(*local, mask)
     out.backward(take_tokens(grad_out.transpose(1, 2), idx).transpose(1, 2))
     return {
+        "skipped": getattr(core, "steps_skipped", 0),
         "idx": pos.numpy(),
         "out": out.detach().numpy(),
         "grads": [t.grad.numpy() for t in local],
     }
 
 
-def _doc_inputs() -> tuple[torch.Tensor, ...]:
+def _doc_inputs(short: bool = False) -> tuple[torch.Tensor, ...]:
+    """Two windows of 48 tokens: documents crossing every shard boundary, or (``short``)
+    documents of at most 4 tokens, so some ring steps have nothing to attend to."""
     g = torch.Generator().manual_seed(0)
-    ids = doc_ids_from_lengths(LENGTHS, 48)[:2]  # documents cross every shard boundary
+    ids = doc_ids_from_lengths([2, 3, 1, 4] * 12 if short else LENGTHS, 48)[:2]
     q, k, v, grad = (torch.randn(2, 2, 48, 8, generator=g) for _ in range(4))
     return q, k, v, grad, ids
 
 
 @pytest.mark.parametrize(
-    "cp, balancer, block",
-    [(2, "document", 5), pytest.param(3, "headtail", 3, marks=pytest.mark.slow)],
+    "method, cp, balancer, block",
+    [
+        ("allgather", 2, "document", 5),
+        ("ring", 2, "document", 0),
+        pytest.param("allgather", 3, "headtail", 3, marks=pytest.mark.slow),
+        pytest.param("ring", 4, "headtail", 0, marks=pytest.mark.slow),
+        pytest.param("ring", 3, "document", 0, marks=pytest.mark.slow),
+    ],
 )
-def test_block_causal_core_equals_one_process(cp: int, balancer: str, block: int) -> None:
-    """Under a per-sample permutation of the tokens, with query blocks that skip keys, outputs
-    and q/k/v gradients equal the matching tokens of one process's block-causal SDPA."""
-    q, k, v, grad_out, ids = _doc_inputs()
+def test_block_causal_core_equals_one_process(
+    method: str, cp: int, balancer: str, block: int
+) -> None:
+    """Under a per-sample permutation of the tokens (all-gather: with query blocks that skip
+    keys; ring: K/V shards passed around, steps without an allowed pair skipped), outputs and
+    q/k/v gradients equal the matching tokens of one process's block-causal SDPA."""
+    q, k, v, grad_out, ids = _doc_inputs(short=(method, balancer) == ("ring", "headtail"))
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     out = F.scaled_dot_product_attention(*full, attn_mask=AttentionMask(ids).dense())
     out.backward(grad_out)
-    for r in run_ranks(_doc_attention_rank, cp, balancer, block, timeout=120):
+    results = run_ranks(_doc_attention_rank, cp, method, balancer, block, timeout=120)
+    if (method, balancer) == ("ring", "headtail"):  # rank 0's head sees no later shard
+        assert sum(r["skipped"] for r in results) > 0
+    for r in results:
         idx = torch.from_numpy(r["idx"])
         for name, ref, got in [
             ("out", out.detach(), r["out"]),

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-from torchtitan.distributed.cp_layout import shard_index, take_tokens
+from torchtitan.distributed.cp_layout import DocumentMask, document_pairs, shard_index, take_tokens
+from torchtitan.distributed.cp_ring import RingDocumentAttention
 from torchtitan.tools.torch_compat import all_gather_autograd
 
 __all__ = [
@@ -49,15 +50,6 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
 ]
-
-
-class DocumentMask(Protocol):
-    """What the all-gather core needs of the model's attention mask (``AttentionMask`` in
-    ``models/common/attention.py``): this rank's document ids and the positions the model
-    rotated them by (RoPE; ``None`` means the head-tail global positions)."""
-
-    doc_ids: torch.Tensor
-    positions: torch.Tensor | None
 
 
 QUERY_BLOCK = 512
@@ -175,15 +167,6 @@ class AllGatherKVAttention(nn.Module):
         return torch.cat(outs, dim=2)
 
 
-def document_pairs(
-    q_pos: torch.Tensor, q_doc: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor
-) -> torch.Tensor:
-    """Bool ``[B, Lq, Lk]``: query ``i`` may attend to key ``j`` (same document, at or before
-    it). The model's block-causal mask (``document_causal_mask_mod``) at explicit positions."""
-    same_doc = k_doc[:, None, :] == q_doc[:, :, None]
-    return same_doc & (k_pos[:, None, :] <= q_pos[:, :, None])
-
-
 def _document_block(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -223,6 +206,12 @@ def _positions_hook(cp: int, rank: int):  # type: ignore[no-untyped-def]
     return hook
 
 
+def _core(method: str, cp_mesh: DeviceMesh, n_rep: int) -> nn.Module:
+    if method == "ring":  # block_causal: our document ring (torch's ring has no such mask)
+        return RingDocumentAttention(cp_mesh, n_rep)
+    return AllGatherKVAttention(cp_mesh, n_rep)
+
+
 def apply_cp(
     model: nn.Module,
     blocks: nn.ModuleDict,
@@ -230,6 +219,7 @@ def apply_cp(
     attention_core: str,
     n_rep: int,
     method: str,
+    document_mask: bool = False,
 ) -> None:
     """Make ``model`` (a whole model or a pipeline stage of one) context parallel.
 
@@ -245,13 +235,13 @@ def apply_cp(
         enable = getattr(module, "enable_context_parallel", None)
         if callable(enable):
             enable(cp_mesh)
-    if method == "ring":
+    if method == "ring" and not document_mask:
         return
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     parent_path, _, name = attention_core.rpartition(".")
     for block in blocks.values():
         parent = block.get_submodule(parent_path) if parent_path else block
-        setattr(parent, name, AllGatherKVAttention(cp_mesh, n_rep))
+        setattr(parent, name, _core(method, cp_mesh, n_rep))
     model.register_forward_pre_hook(_positions_hook(cp, rank), with_kwargs=True)
 
 
@@ -312,10 +302,10 @@ class ContextParallel:
         self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any] | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
         extra = extra or {}
-        if self.method != "ring":
+        if self.method != "ring" or "doc_ids" in extra:  # block_causal rings run our core
             yield self.shard(inputs, labels, extra)
             return
-        assert not extra, "ring attention takes no document ids (refused by config validation)"
+        assert not extra, "torch's ring attention takes no extra inputs (config validation)"
         from torch.distributed.tensor.experimental import context_parallel
 
         # torch shards these in place (same head-tail layout) and restores the RoPE tables.

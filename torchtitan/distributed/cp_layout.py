@@ -24,10 +24,14 @@ over the cp ranks is the attention imbalance (the slowest rank sets the step tim
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 __all__ = [
     "BALANCERS",
+    "DocumentMask",
+    "document_pairs",
     "document_order",
     "doc_ids_from_lengths",
     "imbalance",
@@ -113,3 +117,21 @@ def doc_ids_from_lengths(lengths: list[int], seq_len: int) -> torch.Tensor:
     ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     windows = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)
     return windows - windows[:, :1]
+
+
+class DocumentMask(Protocol):
+    """What the all-gather core needs of the model's attention mask (``AttentionMask`` in
+    ``models/common/attention.py``): this rank's document ids and the positions the model
+    rotated them by (RoPE; ``None`` means the head-tail global positions)."""
+
+    doc_ids: torch.Tensor
+    positions: torch.Tensor | None
+
+
+def document_pairs(
+    q_pos: torch.Tensor, q_doc: torch.Tensor, k_pos: torch.Tensor, k_doc: torch.Tensor
+) -> torch.Tensor:
+    """Bool ``[B, Lq, Lk]``: query ``i`` may attend to key ``j`` (same document, at or before
+    it). The model's block-causal mask (``document_causal_mask_mod``) at explicit positions."""
+    same_doc = k_doc[:, None, :] == q_doc[:, :, None]
+    return same_doc & (k_pos[:, None, :] <= q_pos[:, :, None])
