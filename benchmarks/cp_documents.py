@@ -5,11 +5,11 @@
     python benchmarks/cp_documents.py --lengths 300,5000,80 --seq_lens 8192
 
 Two length distributions are packed into windows the way the data loader packs them
-(``cp_layout.doc_ids_from_lengths``): the test corpus (``tests/assets/test_corpus``, each
+(``layout.doc_ids_from_lengths``): the test corpus (``tests/assets/test_corpus``, each
 document tokenized with the test tokenizer, plus BOS and EOS) and a long-tail synthetic one
 (Pareto, shape 1.1, scale 128 tokens, capped at 64k; seed 0). ``--lengths`` replaces both.
 
-* cost: block-causal (query, key) pairs per cp rank (``cp_layout.rank_costs``, what attention
+* cost: block-causal (query, key) pairs per cp rank (``layout.rank_costs``, what attention
   FLOPs are proportional to), ``max / mean`` over the ranks, averaged over the windows (one
   window per step and rank: the slowest rank sets the step) and for the worst window.
 * time: forward + backward of the block-causal all-gather core's attention for each rank's
@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.distributed.context_parallel import QUERY_BLOCK, _document_block
-from torchtitan.distributed.cp_layout import (
+from torchtitan.distributed.context_parallel.core import QUERY_BLOCK, _document_block
+from torchtitan.distributed.context_parallel.layout import (
     BALANCERS,
     doc_ids_from_lengths,
     positions_in_documents,

@@ -59,7 +59,7 @@ CASES = {
     "fsdp2xcp2_document": (4, [FSDP, "2", CP, "2", *DOC_LB, LB, "4"], True),
     "tp2xcp2_document": (4, [TP, "2", CP, "2", *DOC_LB, LB, "8"], True),
     "pp2xcp2_document": (4, [*pp("1F1B"), CP, "2", *DOC_LB, LB, "8"], True),
-    # Ring attention with the document mask (distributed/cp_ring.py), both balancers.
+    # Ring attention with the document mask (distributed/context_parallel/ring.py), both balancers.
     "cp2_ring": (2, [CP, "2", *RING, LB, "8"], True),
     "cp4_ring_document": (4, [CP, "4", *RING, *DOC_LB, LB, "8"], True),
     "fsdp2xcp2_ring_document": (4, [FSDP, "2", CP, "2", *RING, *DOC_LB, LB, "4"], True),
@@ -136,3 +136,18 @@ def test_block_causal_with_float8_stays_close_to_fp32(
     label = "block_causal float8 tensorwise vs fp32"
     worst = assert_losses_match(losses(reference), losses(got), rtol=5e-3, label=label)
     assert worst > 1e-6, "float8 losses equal fp32 exactly: were any layers converted?"
+
+
+@pytest.mark.slow
+def test_moe_ep2_cp2_document_balancer_matches_single_process(tmp_path: Path) -> None:
+    """Expert parallel with the document balancer: DeepSeek-V3 (MoE, MTP) routes each token
+    wherever CP put it; the sequence-wise auxiliary loss sums over cp, so the permutation
+    leaves it unchanged."""
+    moe = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *BLOCK]
+    moe += ["--model.moe_bias_update_rate", "0"]
+    ref = train_metrics([*moe, LB, "8"], 1, tmp_path / "ref", STEPS)
+    ep = ["--parallelism.expert_parallel_degree", "2"]
+    overrides = [*moe, CP, "2", *ep, *DOC_LB, LB, "8"]
+    check_parity(
+        ref, overrides, 2, tmp_path / "cp", label="DeepSeek-V3 block_causal EP 2 x CP 2 document"
+    )

@@ -13,16 +13,16 @@ import torch.nn.functional as F
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML
 from torchtitan.config import ConfigError, parse_args
-from torchtitan.distributed import context_parallel as cpmod
+from torchtitan.distributed.context_parallel import core as cpmod
 from torchtitan.distributed.context_parallel import load_balanced_positions
-from torchtitan.distributed.cp_layout import (
+from torchtitan.distributed.context_parallel.layout import (
     doc_ids_from_lengths,
     imbalance,
     rank_costs,
     shard_index,
     take_tokens,
 )
-from torchtitan.distributed.cp_ring import RingDocumentAttention
+from torchtitan.distributed.context_parallel.ring import RingDocumentAttention
 from torchtitan.models.common.attention import AttentionMask
 from torchtitan.preflight.validate import validate_config
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.distributed.cp_layout import positions_in_documents
+from torchtitan.distributed.context_parallel.layout import positions_in_documents
 
 __all__ = [
     "AttentionCore",

@@ -37,8 +37,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-from torchtitan.distributed.cp_layout import DocumentMask, document_pairs, shard_index, take_tokens
-from torchtitan.distributed.cp_ring import RingDocumentAttention
+from torchtitan.distributed.context_parallel.layout import (
+    DocumentMask,
+    document_pairs,
+    shard_index,
+    take_tokens,
+)
+from torchtitan.distributed.context_parallel.ring import RingDocumentAttention
 from torchtitan.tools.torch_compat import all_gather_autograd
 
 __all__ = [

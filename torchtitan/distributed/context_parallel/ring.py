@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-from torchtitan.distributed.cp_layout import DocumentMask, document_pairs, shard_index
+from torchtitan.distributed.context_parallel.layout import DocumentMask, document_pairs, shard_index
 
 __all__ = ["RingDocumentAttention"]
 
