@@ -13,8 +13,8 @@ document tokenized with the test tokenizer, plus BOS and EOS) and a long-tail sy
   FLOPs are proportional to), ``max / mean`` over the ranks, averaged over the windows (one
   window per step and rank: the slowest rank sets the step) and for the worst window.
 * time: forward + backward of the block-causal all-gather core's attention for each rank's
-  queries (``context_parallel._document_block`` over query blocks, the code the ranks run,
-  here in one process so the ranks do not share cores), 4 heads of 64, fp32, one window;
+  queries (``context_parallel.core.document_attention``, the code the ranks run, here one
+  rank after another in one process so the ranks do not share cores), 4 heads of 64, fp32, one window;
   ``max / mean`` of the per-rank times.
 
 Bad input (one line, exit 2): a length above the sequence, a seq_len not divisible by 2 x cp.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan.distributed.context_parallel.core import QUERY_BLOCK, _document_block
+from torchtitan.distributed.context_parallel.core import document_attention
 from torchtitan.distributed.context_parallel.layout import (
     BALANCERS,
     doc_ids_from_lengths,
@@ -82,10 +82,7 @@ def time_rank(ids: torch.Tensor, cp: int, rank: int, balancer: str, heads: int =
     q_loc = take_tokens(q.detach().transpose(1, 2), idx).transpose(1, 2).requires_grad_()
     q_doc, q_pos = take_tokens(ids, idx), idx
     t0 = time.perf_counter()
-    for s in range(0, q_loc.shape[2], QUERY_BLOCK):
-        b = slice(s, s + QUERY_BLOCK)
-        out = _document_block(q_loc[:, :, b], k, v, q_pos[:, b], q_doc[:, b], pos, ids)
-        out.sum().backward()
+    document_attention(q_loc, k, v, (q_pos, q_doc, pos, ids)).sum().backward()
     return time.perf_counter() - t0
 
 

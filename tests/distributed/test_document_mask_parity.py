@@ -61,6 +61,8 @@ CASES = {
     "pp2xcp2_document": (4, [*pp("1F1B"), CP, "2", *DOC_LB, LB, "8"], True),
     # Ring attention with the document mask (distributed/context_parallel/ring.py), both balancers.
     "cp2_ring": (2, [CP, "2", *RING, LB, "8"], True),
+    "cp2_document_compile": (2, [CP, "2", *DOC_LB, LB, "8", "--compile.enable"], True),
+    "cp2_ring_compile": (2, [CP, "2", *RING, LB, "8", "--compile.enable"], True),
     "cp4_ring_document": (4, [CP, "4", *RING, *DOC_LB, LB, "8"], True),
     "fsdp2xcp2_ring_document": (4, [FSDP, "2", CP, "2", *RING, *DOC_LB, LB, "4"], True),
     "tp2xcp2_ring": (4, [TP, "2", CP, "2", *RING, LB, "8"], True),

@@ -164,12 +164,33 @@ class AllGatherKVAttention(nn.Module):
         q_doc = mask.doc_ids
         k_pos = self._gather_sequence(q_pos.t().contiguous()).t()  # [B, S], as K/V
         k_doc = self._gather_sequence(q_doc.t().contiguous()).t()
-        outs = []
-        for start in range(0, local, self.query_block):
-            blk = slice(start, min(start + self.query_block, local))
-            args = (q[:, :, blk], k_all, v_all, q_pos[:, blk], q_doc[:, blk], k_pos, k_doc)
-            outs.append(checkpoint(_document_block, *args, use_reentrant=False))
-        return torch.cat(outs, dim=2)
+        return document_attention(q, k_all, v_all, (q_pos, q_doc, k_pos, k_doc), self.query_block)
+
+
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    where: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    query_block: int = QUERY_BLOCK,
+) -> torch.Tensor:
+    """Block-causal attention of queries in any order over keys in any order, ``where`` =
+    ``(q_pos, q_doc, k_pos, k_doc)`` (``[B, Lq]``, ``[B, Lk]``). The queries are visited in
+    (document, position) order, so a block of ``query_block`` holds few documents and needs
+    few key columns (a balancer's order interleaves documents); the output is put back in the
+    queries' order."""
+    q_pos, q_doc, k_pos, k_doc = where
+    order = (q_doc.long() * 2**32 + q_pos).argsort(dim=1)  # [B, Lq]; positions < 2**32
+    q_s = q.gather(2, order[:, None, :, None].expand_as(q))
+    pos_s, doc_s = q_pos.gather(1, order), q_doc.gather(1, order)
+    outs = []
+    for start in range(0, q.shape[2], query_block):
+        blk = slice(start, start + query_block)
+        args = (q_s[:, :, blk], k, v, pos_s[:, blk], doc_s[:, blk], k_pos, k_doc)
+        outs.append(checkpoint(_document_block, *args, use_reentrant=False))
+    out = torch.cat(outs, dim=2)
+    inverse = order.argsort(dim=1)
+    return out.gather(2, inverse[:, None, :, None].expand(*out.shape[:3], out.shape[3]))
 
 
 def _document_block(
@@ -184,6 +205,8 @@ def _document_block(
     """One block of queries over the key columns any of them may attend to (every query sees
     at least itself, so no row is empty)."""
     allowed = document_pairs(q_pos, q_doc, k_pos, k_doc)
+    if torch.compiler.is_compiling():  # data-dependent shapes: compiled, every column is computed
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
     cols = allowed.any(dim=1).any(dim=0).nonzero().squeeze(1)
     if cols.numel() < k.shape[2]:
         k, v, allowed = k.index_select(2, cols), v.index_select(2, cols), allowed[:, :, cols]

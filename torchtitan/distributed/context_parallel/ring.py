@@ -77,6 +77,8 @@ class RingDocumentAttention(nn.Module):
     distinct ones travel). ``mask``: this rank's document ids and RoPE positions (tokens are in
     any order: either load balancer)."""
 
+    compile_graph_breaks = True  # point-to-point sends and per-step skips run eagerly
+
     def __init__(self, cp_mesh: DeviceMesh, n_rep: int) -> None:
         super().__init__()
         self.cp, self.rank, self.n_rep = cp_mesh.size(), cp_mesh.get_local_rank(), n_rep
