@@ -15,11 +15,15 @@ Two methods (``parallelism.context_parallel_method``):
   rank falls with ``cp``; only one layer's full K/V is alive at a time. Under block-causal
   masking (docs/attention.md) the document ids are sharded like the tokens and all-gathered
   with K/V, and the mask is the model's own mask evaluated at global positions and documents.
-* ``ring`` (CUDA only): torch's experimental ``context_parallel`` (ring attention, K/V rotated
-  with ``context_parallel_rotate_method``), which patches SDPA and shards inputs, labels and the
-  RoPE table in place for the duration of forward and backward. On torch 2.13 it has no sharding
-  rule for CPU SDPA, hence a ConfigError there; it cannot mask by document either (a
-  ConfigError with block_causal).
+* ``ring``: for causal attention (CUDA only), torch's experimental ``context_parallel`` (ring
+  attention, K/V rotated with ``context_parallel_rotate_method``), which patches SDPA and
+  shards inputs, labels and the RoPE table in place for the duration of forward and backward
+  (torch 2.13 has no sharding rule for CPU SDPA, hence a ConfigError there). torch's ring has
+  no document mask: block_causal rings run ``ring.py`` (any device), sharded as ``allgather``.
+
+Which tokens a rank holds is the load balancer's choice (``layout.py``): ``headtail`` above, or
+``document`` (head-tail within every packed document), applied per sample to every ``[B, S]``
+input at once (``ContextParallel.shard``).
 
 The loss is a mean over each rank's tokens (equal counts on every cp rank), and FSDP shards and
 averages gradients over ``dp_shard x cp``, so the gradient is the global-batch mean as without CP.

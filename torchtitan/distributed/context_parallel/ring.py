@@ -1,6 +1,6 @@
 """Ring attention with the block-causal (document) mask, for ``context_parallel_method = "ring"``
-with ``model.attn_mask_type = "block_causal"`` (docs/context_parallel.md, "Ring attention with
-documents").
+with ``model.attn_mask_type = "block_causal"`` (docs/context_parallel.md, "Packed documents
+(block_causal) under context parallel").
 
 torch's experimental ring attention has no document mask, so block-causal runs on this one
 (any device). Each rank keeps its queries; its K/V shard, with the document ids and positions of
@@ -9,8 +9,8 @@ a rank attends its queries to the keys it holds, masked by document and position
 partial output with its log-sum-exp; the partials are merged at the end (the softmax of the
 whole row, exactly, up to floating-point order). A step whose keys all belong to other
 documents or lie after every query is skipped (the K/V still moves on). The backward sends the
-K/V gradients back along the ring to their owners. Peak memory holds one K/V shard besides
-the own one, not the whole sequence (the all-gather core keeps ``S`` keys per layer).
+K/V gradients back along the ring to their owners. Each step's shard is kept for the backward,
+so memory is the all-gather core's; the communication is ``cp - 1`` point-to-point exchanges.
 """
 
 from __future__ import annotations
