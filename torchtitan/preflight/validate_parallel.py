@@ -105,7 +105,9 @@ def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
             f"sequence parallel splits each rank's share over tp), so it must be divisible by {why}",
             f"use a multiple of {step}, e.g. {max(step, seq // step * step)}",
         )
-    if p.context_parallel_method == "ring" and device_type() != "cuda":
+    # block_causal rings run our document ring (distributed/context_parallel/ring.py), on any device.
+    block = cfg.model.attn_mask_type == "block_causal"
+    if p.context_parallel_method == "ring" and device_type() != "cuda" and not block:
         raise ConfigError(
             "parallelism.context_parallel_method",
             "ring",
