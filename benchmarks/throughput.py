@@ -63,6 +63,8 @@ _BLOCK = ["--model.attn_mask_type", "block_causal"]
 _MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 _DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 _GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
+_QWEN35 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel"]
+_QWEN35_MOE = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_moe"]
 LADDER: list[tuple[str, list[str]]] = [
     ("eager", []),
     ("compile", _COMPILE),
@@ -92,6 +94,11 @@ LADDER: list[tuple[str, list[str]]] = [
     ("compile+deepseek_v3", _COMPILE + _DSV3),
     ("gpt_oss", _GPT_OSS),
     ("compile+gpt_oss", _COMPILE + _GPT_OSS),
+    # Qwen3.5 (docs/qwen3_5.md): Gated DeltaNet + gated attention, dense and MoE; the delta
+    # rule runs flash-linear-attention's kernel on CUDA when installed.
+    ("qwen3_5", _QWEN35),
+    ("compile+qwen3_5", _COMPILE + _QWEN35),
+    ("qwen3_5_moe", _QWEN35_MOE),
 ]
 
 

@@ -4,9 +4,10 @@
 #   scripts/gpu_check.sh           environment, the gpu-marked tests, the throughput ladder of the
 #                                  1B shape at seq 8192 (eager, compile, compile + float8
 #                                  tensorwise / rowwise, FlexAttention document masking), the
-#                                  MoE families' debug flavors (Qwen3-MoE, DeepSeek-V3, GPT-OSS;
-#                                  eager and compile, bf16 autocast), the experts' grouped GEMM
-#                                  against their loop, then train 30 steps with async pinned
+#                                  MoE families' debug flavors (Qwen3-MoE, DeepSeek-V3, GPT-OSS,
+#                                  Qwen3.5; eager and compile, bf16 autocast), the experts' grouped
+#                                  GEMM against their loop, Qwen3.5's delta rule (fla kernel vs
+#                                  the PyTorch chunked form), then train 30 steps with async pinned
 #                                  checkpoints, resume to step 40 and generate from the checkpoint
 #   scripts/gpu_check.sh --cpu     the same sequence, small, on CPU (debug model, `async` saves):
 #                                  what a machine without a GPU (and CI) can check of this script
@@ -34,6 +35,7 @@ if [[ $mode == gpu ]]; then
         --training.seq_len 8192 --training.local_batch_size 1
         --training.mixed_precision_param bfloat16)
     families_only="qwen3_moe,compile+qwen3_moe,deepseek_v3,compile+deepseek_v3,gpt_oss,compile+gpt_oss"
+    families_only+=",qwen3_5,compile+qwen3_5,qwen3_5_moe"
     families_args=(--warmup 3 --steps "${LADDER_STEPS:-10}" -- "${debug[@]}" --training.seq_len 4096
         --training.local_batch_size 2 --training.mixed_precision_param bfloat16)
     train_args=("${debug[@]}" --checkpoint.enable --checkpoint.interval 5
@@ -43,7 +45,7 @@ else
     ladder_only="eager"
     ladder_args=(--warmup 1 --steps 2 --peak-budget 0.3 -- "${debug[@]}" --training.seq_len 64
         --training.local_batch_size 2 --training.mixed_precision_param float32)
-    families_only="qwen3_moe,deepseek_v3,gpt_oss"
+    families_only="qwen3_moe,deepseek_v3,gpt_oss,qwen3_5,qwen3_5_moe"
     families_args=("${ladder_args[@]}")
     train_args=("${debug[@]}" --training.seq_len 64 --training.local_batch_size 2
         --training.mixed_precision_param float32 --checkpoint.enable --checkpoint.interval 2
@@ -135,6 +137,19 @@ print(("PASS" if ok else "FAIL") + "|" + (f"grouped {g['"'"'ms'"'"']} ms ({g['"'
 ' "$out/grouped_gemm.log" 2>/dev/null)"
 [[ $rc == 0 && -n $detail ]] || detail="FAIL|exit $rc (see grouped_gemm.log)"
 record "grouped GEMM vs loop" "${detail%%|*}" "$secs" "${detail#*|}"
+
+# 3c. Qwen3.5's delta rule: flash-linear-attention's kernel against the PyTorch chunked form
+# (docs/qwen3_5.md; on CPU, or without fla, the chunked form alone)
+timed "$out/delta_rule.log" "$python" benchmarks/delta_rule.py $([[ $mode == cpu ]] && echo --small)
+detail="$(jq_py '
+r = json.loads([l for l in open(sys.argv[1]) if l.startswith("{")][-1])
+fla = r.get("fla_ms")
+ok = fla is None or r["max_rel_diff"] <= 1e-2
+tail = f", fla {fla} ms (x{r['"'"'speedup'"'"']}), max rel diff {r['"'"'max_rel_diff'"'"']:.1e}" if fla else ", fla not installed"
+print(("PASS" if ok else "FAIL") + f"|chunked {r['"'"'chunked_ms'"'"']} ms fwd+bwd" + tail)
+' "$out/delta_rule.log" 2>/dev/null)"
+[[ $rc == 0 && -n $detail ]] || detail="FAIL|exit $rc (see delta_rule.log)"
+record "delta rule fla vs chunked" "${detail%%|*}" "$secs" "${detail#*|}"
 
 # 4. end to end: train with async checkpoints, resume, generate
 dump="$out/e2e"

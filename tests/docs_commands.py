@@ -367,6 +367,20 @@ COMMANDS: dict[str, Mode] = {
     "--world_size 256": Fast(),
     "python -m torchtitan.config --job.config_file train_configs/llama3_8b.toml --world_size 8": Fast(),
     "python -m torchtitan.config --job.config_file train_configs/qwen3_8b.toml --world_size 8": Fast(),
+    # docs/hf_models.md
+    "./run_train.sh --job.config_file train_configs/debug_model.toml --model.name hf "
+    "--model.flavor train_configs/hf/llama3_debugmodel": Slow(SMALL),
+    "./run_train.sh ... --model.name hf --model.flavor /models/Mistral-7B "
+    "--checkpoint.initial_load_path /models/Mistral-7B --checkpoint.initial_load_in_hf": Skip(
+        "a placeholder path (/models/Mistral-7B)"
+    ),
+    "python -m torchtitan.convert to-hf outputs/checkpoint/step-1000 hf_out --model hf "
+    "--flavor /models/Mistral-7B": Skip("a placeholder path (/models/Mistral-7B)"),
+    "python benchmarks/throughput.py --threads 1 --warmup 3 --steps 10 -- --job.config_file "
+    "train_configs/debug_model.toml --training.seq_len 256 --training.local_batch_size 4 "
+    "--training.mixed_precision_param float32 --model.name llama3 --model.flavor debugmodel": Skip(
+        BENCH
+    ),
 }
 
 

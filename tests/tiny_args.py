@@ -88,6 +88,24 @@ def tiny_deepseek_v3(**extra: Any) -> DeepSeekV3Args:
     return DeepSeekV3Args(**shape)
 
 
+def tiny_qwen3_5(**extra: Any) -> Any:
+    """Qwen3.5 of width 64: DeltaNet, attention, DeltaNet, attention (2 key / 4 value DeltaNet
+    heads of 8 / 12), half of each 16-wide attention head rotated, tied embeddings."""
+    from torchtitan.models.qwen3_5 import Qwen35Args
+
+    shape: dict[str, Any] = dict(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=96,
+        vocab_size=256, max_seq_len=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=12, partial_rotary_factor=0.5,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    shape.update(extra)
+    n = shape["n_layers"]
+    kinds = ("linear_attention", "full_attention")
+    shape.setdefault("layer_types", tuple(kinds[i % 2] for i in range(n)))
+    return Qwen35Args(**shape)
+
+
 def tiny_hf_cases() -> dict[str, tuple[str, Any]]:
     """One tiny flavor per Hugging Face layout of every family in ``MODELS``: case id ->
     (family name, args). GQA, RoPE scaling, QK-norms, tied and untied heads, dense and MoE
@@ -112,4 +130,14 @@ def tiny_hf_cases() -> dict[str, tuple[str, Any]]:
         "qwen3-moe": ("qwen3", moe),
         "gpt_oss": ("gpt_oss", tiny_gpt_oss()),
         "deepseek_v3": ("deepseek_v3", tiny_deepseek_v3()),
+        "qwen3_5": ("qwen3_5", tiny_qwen3_5()),
+        "qwen3_5-moe": (
+            "qwen3_5",
+            tiny_qwen3_5(
+                n_layers=2,
+                tie_word_embeddings=False,
+                moe=MoEArgs(num_experts=8, top_k=2, expert_dim=32),
+                shared_expert_dim=48,
+            ),
+        ),
     }

@@ -100,15 +100,15 @@ def _equal_everywhere(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     return bad
 
 
-def _family(name: str) -> FamilySpec:
+def _family(name: str) -> Any:
     spec = MODELS.get(name)
-    if not isinstance(spec, FamilySpec) or spec.hf is None:
+    if spec is None or (isinstance(spec, FamilySpec) and spec.hf is None):
         with_hf = sorted(n for n, s in MODELS.items() if getattr(s, "hf", None) is not None)
         raise ConfigError("--model", name, "has no Hugging Face mapping", f"use one of {with_hf}")
     return spec
 
 
-def _model_shapes(spec: FamilySpec, args: Any, dtype: torch.dtype | None) -> Shapes:
+def _model_shapes(spec: Any, args: Any, dtype: torch.dtype | None) -> Shapes:
     with torch.device("meta"):
         model = spec.build(args)
     return {k: (tuple(v.shape), dtype or v.dtype) for k, v in model.state_dict().items()}
@@ -159,8 +159,9 @@ def to_hf(
     """Export the ``model`` weights of a DCP step folder; returns the number of HF tensors."""
     spec, mesh = _family(model), _mesh()
     saved = _checkpoint_shapes(checkpoint)
-    if "tok_embeddings.weight" in saved:  # the trainer sets the vocabulary from the tokenizer
-        args = dataclasses.replace(args, vocab_size=saved["tok_embeddings.weight"][0][0])
+    embedding = f"{spec.parallel_plan(args).embedding}.weight"
+    if embedding in saved:  # the trainer sets the vocabulary from the tokenizer
+        args = dataclasses.replace(args, vocab_size=saved[embedding][0][0])
     _check_same(_model_shapes(spec, args, None), saved, f"{checkpoint}")
     sd = sharded_empty(saved, mesh)
     t0 = time.perf_counter()

@@ -222,6 +222,7 @@ class Trainer:
             self.model_parts,
             rotate_method=p.context_parallel_rotate_method,
             rope_buffer=plan.rope_buffer if plan else None,
+            balancer=p.context_parallel_load_balancer,
         )
 
     def _build_optimizer(self) -> None:

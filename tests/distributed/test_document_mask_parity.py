@@ -25,6 +25,8 @@ LB = "--training.local_batch_size"
 CP = "--parallelism.context_parallel_degree"
 TP = "--parallelism.tensor_parallel_degree"
 FSDP = "--parallelism.data_parallel_shard_degree"
+DOC_LB = ["--parallelism.context_parallel_load_balancer", "document"]
+RING = ["--parallelism.context_parallel_method", "ring"]
 
 
 def pp(schedule: str) -> list[str]:
@@ -49,6 +51,22 @@ CASES = {
     "compile": (1, [LB, "8", "--compile.enable"], True),
     "fsdp2xtp2": (4, [FSDP, "2", TP, "2", LB, "4"], True),
     "pp2xfsdp2xcp2": (8, [*pp("1F1B"), FSDP, "2", CP, "2", LB, "4"], True),
+    # Per-document head-tail sharding (docs/context_parallel.md): every sample's tokens are
+    # permuted per its documents; tokens, labels, positions and ids move together.
+    "cp2_document": (2, [CP, "2", *DOC_LB, LB, "8"], False),
+    "cp4": (4, [CP, "4", LB, "8"], True),
+    "cp4_document": (4, [CP, "4", *DOC_LB, LB, "8"], True),
+    "fsdp2xcp2_document": (4, [FSDP, "2", CP, "2", *DOC_LB, LB, "4"], True),
+    "tp2xcp2_document": (4, [TP, "2", CP, "2", *DOC_LB, LB, "8"], True),
+    "pp2xcp2_document": (4, [*pp("1F1B"), CP, "2", *DOC_LB, LB, "8"], True),
+    # Ring attention with the document mask (distributed/context_parallel/ring.py), both balancers.
+    "cp2_ring": (2, [CP, "2", *RING, LB, "8"], True),
+    "cp2_document_compile": (2, [CP, "2", *DOC_LB, LB, "8", "--compile.enable"], True),
+    "cp2_ring_compile": (2, [CP, "2", *RING, LB, "8", "--compile.enable"], True),
+    "cp4_ring_document": (4, [CP, "4", *RING, *DOC_LB, LB, "8"], True),
+    "fsdp2xcp2_ring_document": (4, [FSDP, "2", CP, "2", *RING, *DOC_LB, LB, "4"], True),
+    "tp2xcp2_ring": (4, [TP, "2", CP, "2", *RING, LB, "8"], True),
+    "pp2xcp2_ring_document": (4, [*pp("1F1B"), CP, "2", *RING, *DOC_LB, LB, "8"], True),
 }
 _REFERENCE: dict[str, list[dict]] = {}
 
@@ -83,13 +101,17 @@ def test_block_causal_matches_single_process(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("balancer", ["headtail", "document"])
 def test_document_positions_cp2_matches_single_process(
-    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, balancer: str
 ) -> None:
-    """Per-document RoPE positions are computed on the whole sequence, then sharded by CP."""
+    """Per-document RoPE positions are computed on the whole sequence, then sharded by CP
+    (under the document balancer, permuted with the tokens)."""
     ref = block_reference(tmp_path_factory, DOC_POS)
-    overrides = [*BLOCK, *DOC_POS, CP, "2", LB, "8"]
-    check_parity(ref, overrides, 2, tmp_path, label="block_causal + document positions, CP 2")
+    lb = ["--parallelism.context_parallel_load_balancer", balancer]
+    overrides = [*BLOCK, *DOC_POS, *lb, CP, "2", LB, "8"]
+    label = f"block_causal + document positions, CP 2 {balancer}"
+    check_parity(ref, overrides, 2, tmp_path, label=label)
 
 
 def test_block_causal_bitwise_resume(tmp_path: Path) -> None:
@@ -116,3 +138,18 @@ def test_block_causal_with_float8_stays_close_to_fp32(
     label = "block_causal float8 tensorwise vs fp32"
     worst = assert_losses_match(losses(reference), losses(got), rtol=5e-3, label=label)
     assert worst > 1e-6, "float8 losses equal fp32 exactly: were any layers converted?"
+
+
+@pytest.mark.slow
+def test_moe_ep2_cp2_document_balancer_matches_single_process(tmp_path: Path) -> None:
+    """Expert parallel with the document balancer: DeepSeek-V3 (MoE, MTP) routes each token
+    wherever CP put it; the sequence-wise auxiliary loss sums over cp, so the permutation
+    leaves it unchanged."""
+    moe = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", *BLOCK]
+    moe += ["--model.moe_bias_update_rate", "0"]
+    ref = train_metrics([*moe, LB, "8"], 1, tmp_path / "ref", STEPS)
+    ep = ["--parallelism.expert_parallel_degree", "2"]
+    overrides = [*moe, CP, "2", *ep, *DOC_LB, LB, "8"]
+    check_parity(
+        ref, overrides, 2, tmp_path / "cp", label="DeepSeek-V3 block_causal EP 2 x CP 2 document"
+    )

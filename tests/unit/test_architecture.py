@@ -37,6 +37,8 @@ ALLOWED = {
     "plan": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"}
     | {"preflight"},
+    "posttrain": BASE
+    | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "lora"},
 }
 TOP = {
     "torchtitan.train",

@@ -155,8 +155,8 @@ def test_validation_refuses_what_cannot_work() -> None:
 
     block = ("--model.attn_mask_type", "block_causal")
     ring = ("--parallelism.context_parallel_method", "ring")
-    e = error(*block, *ring, cp=2)
-    assert e.field == "parallelism.context_parallel_method" and "document mask" in e.rule
+    e = error(*block, *ring, "--parallelism.context_parallel_rotate_method", "alltoall", cp=2)
+    assert e.field == "parallelism.context_parallel_rotate_method" and "our document ring" in e.rule
     assert error(*block, "--model.name", "toy", "--model.flavor", "tiny").field == (
         "model.attn_mask_type"
     )

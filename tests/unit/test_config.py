@@ -152,9 +152,16 @@ def test_every_field_has_a_docstring() -> None:
                 "2",
                 "--parallelism.context_parallel_method",
                 "ring",
+                "--parallelism.context_parallel_rotate_method",
+                "alltoall",
             ],
             2,
-            "parallelism.context_parallel_method",
+            "parallelism.context_parallel_rotate_method",
+        ),
+        (
+            ["--parallelism.context_parallel_load_balancer", "document"],
+            1,
+            "parallelism.context_parallel_load_balancer",
         ),
     ],
 )

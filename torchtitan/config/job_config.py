@@ -201,10 +201,13 @@ class Parallelism:
     """Context parallel degree: every sequence is split over this many ranks (head-tail load balanced; seq_len must be divisible by 2 x this)."""
 
     context_parallel_method: Literal["allgather", "ring"] = "allgather"
-    """How attention sees the whole sequence under context parallel: allgather (K/V all-gathered over cp, exact, any device) or ring (torch's experimental ring attention, CUDA only)."""
+    """How attention sees the whole sequence under context parallel: allgather (K/V all-gathered over cp, exact, any device) or ring (K/V shards passed around the cp ranks: torch's experimental ring attention for causal, CUDA only; our document ring for block_causal, any device)."""
 
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
-    """For context_parallel_method ring: how torch rotates the K/V shards between cp ranks."""
+    """For context_parallel_method ring with causal attention: how torch rotates the K/V shards between cp ranks (the block_causal ring passes them point to point)."""
+
+    context_parallel_load_balancer: Literal["headtail", "document"] = "headtail"
+    """Which tokens each cp rank holds: headtail (chunks r and 2cp-1-r of the sequence: equal causal work) or document (chunks r and 2cp-1-r of every packed document: equal block-causal work with documents of mixed lengths; needs model.attn_mask_type block_causal). docs/context_parallel.md."""
 
     expert_parallel_degree: int = 1
     """Expert parallel degree (MoE models): the routed experts are split over this many ranks, borrowed from data_parallel_shard_degree (which it must divide); tokens reach their experts by all-to-all. Experts are FSDP-sharded over the remaining dp_shard / ep ranks (docs/parallelisms.md)."""

@@ -33,6 +33,9 @@ class TensorParallelPlan:
     divisible: Mapping[str, int] = field(default_factory=dict)
     """Sizes tensor parallel splits (``{"n_heads": 32, ...}``): each must be divisible by the
     TP degree. Config validation and the planner both check them (``tp_problem``)."""
+    sequence_parallel: bool = True
+    """The residual stream between blocks is sequence-sharded (``Shard(1)``) and enters the
+    output projection so; False: it is replicated (plans translated from transformers')."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,10 @@ class ModelParallelPlan:
     """The forward accepts ``doc_ids=`` (int ``[B, S]``) and then attends only within each
     document (``model.attn_mask_type = "block_causal"``, docs/attention.md); with a CP plan its
     attention core also takes the mask (``q, k, v, mask``)."""
+
+    refusals: Mapping[str, str] = field(default_factory=dict)
+    """Parallelisms this model cannot take, by name (``tensor_parallel``, ``pipeline_parallel``,
+    ``context_parallel``) -> why; config validation refuses them with that reason."""
 
     def blocks_of(self, model: nn.Module) -> nn.ModuleDict:
         blocks = model.get_submodule(self.blocks)

@@ -64,6 +64,7 @@ def parallelize(
             cp.attention_core,
             n_rep=cp.kv_repeat,
             method=par.context_parallel_method,
+            document_mask=cfg.model.attn_mask_type == "block_causal",
         )
     ac = cfg.activation_checkpoint
     apply_ac(blocks, ac.mode, ac.selective_ac_option)

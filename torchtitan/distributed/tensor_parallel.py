@@ -70,13 +70,14 @@ def apply_tp(
     weight is still sharded over the vocabulary, its forward returns the gathered hidden states.
     """
     root = dict(plan.root)
+    residual = Shard(1) if plan.sequence_parallel else Replicate()
     if plan.output is not None and output_deferred:
         root[plan.output] = ColwiseParallel(
-            input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=False
+            input_layouts=residual, output_layouts=Replicate(), use_local_output=False
         )
     elif plan.output is not None:
         root[plan.output] = ColwiseParallel(
-            input_layouts=Shard(1),
+            input_layouts=residual,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
@@ -86,7 +87,8 @@ def apply_tp(
     if enable_async_tp:
         enable_async_tensor_parallel(tp_mesh)
     logger.info(
-        f"tensor parallel {tp_mesh.size()}: sequence parallel norms, "
+        f"tensor parallel {tp_mesh.size()}: sequence parallel "
+        f"{'norms' if plan.sequence_parallel else 'off'}, "
         f"loss parallel {'on' if loss_parallel else 'off'}, async {'on' if enable_async_tp else 'off'}"
     )
 

@@ -42,6 +42,10 @@ def load_weights(
     path: Path, hf: bool, model: str, flavor: str
 ) -> tuple[str, Any, dict[str, torch.Tensor]]:
     """(family, model args, full native state dict) of a checkpoint, read in this process."""
+    if hf and model == "hf":  # any transformers causal LM, by its own config (docs/hf_models.md)
+        _, hf_sd = io.read_hf_folder(path)
+        args = MODELS["hf"].flavors[str(path)]
+        return "hf", args, MODELS["hf"].state_dict_adapter(args).from_hf(hf_sd)  # type: ignore[union-attr]
     if hf:
         return _load_hf(path)
     if not (path / ".metadata").is_file():  # the checkpoint root: the newest valid step
@@ -50,9 +54,9 @@ def load_weights(
             raise FileNotFoundError(f"no valid step-N checkpoint under {path}")
         path = found.path
     sd = io.read_model_weights(path)
-    args = dataclasses.replace(
-        MODELS[model].flavors[flavor], vocab_size=sd["tok_embeddings.weight"].shape[0]
-    )
+    base = MODELS[model].flavors[flavor]
+    embedding = f"{MODELS[model].parallel_plan(base).embedding}.weight"
+    args = dataclasses.replace(base, vocab_size=sd[embedding].shape[0])
     return model, args, sd
 
 

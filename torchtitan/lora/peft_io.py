@@ -43,7 +43,9 @@ _WEIGHTS, _CONFIG = "adapter_model.safetensors", "adapter_config.json"
 
 def _hf_name(adapter: Any, weight_key: str) -> tuple[str, Any]:
     """(the HF module name of our ``<module>.weight``, its row transform or None)."""
-    m = adapter.mapping
+    m = getattr(adapter, "mapping", None)
+    if m is None:  # names are transformers' own already (the hf family, docs/hf_models.md)
+        return weight_key.removesuffix(".weight"), None
     if weight_key in m.top:
         return m.top[weight_key].removesuffix(".weight"), None
     found = re.match(rf"^{re.escape(m.layers[0])}\.(\d+)\.(.+)$", weight_key)

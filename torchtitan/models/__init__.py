@@ -8,15 +8,19 @@ from typing import Any
 
 from torchtitan.models.deepseek_v3 import deepseek_v3_spec
 from torchtitan.models.gpt_oss import gpt_oss_spec
+from torchtitan.models.hf import hf_spec
 from torchtitan.models.llama3 import llama3_spec
 from torchtitan.models.qwen3 import qwen3_spec
+from torchtitan.models.qwen3_5 import qwen3_5_spec
 from torchtitan.models.spec import ModelSpec, runtime_args
 
 MODELS: dict[str, ModelSpec] = {
     "llama3": llama3_spec,
     "qwen3": qwen3_spec,
+    "qwen3_5": qwen3_5_spec,
     "gpt_oss": gpt_oss_spec,
     "deepseek_v3": deepseek_v3_spec,
+    "hf": hf_spec,  # any transformers causal LM from a local folder (docs/hf_models.md)
 }
 
 

@@ -143,8 +143,27 @@ def stage_shapes(a: ModelArgs, tp: int) -> Shapes:
 
 
 def block_params(a: ModelArgs) -> int:
-    """Parameters of one block (the planner weighs compute and pipeline stages with it)."""
-    return total_elems(stage_shapes(a, 1).block)
+    """Parameters of one block (the planner weighs compute and pipeline stages with it); the
+    mean block of a model whose blocks differ (``mixer_shapes``)."""
+    shapes = stage_shapes(a, 1)
+    if not callable(getattr(a, "mixer_shapes", None)):
+        return total_elems(shapes.block)
+    per_layer = [total_elems(layer_shapes(a, i, 1, shapes)[0]) for i in range(a.n_layers)]
+    return sum(per_layer) // max(len(per_layer), 1)
+
+
+def layer_shapes(
+    a: Any, layer: int, tp: int, shapes: Shapes
+) -> tuple[tuple[tuple[int, int], ...], tuple[bool, ...]]:
+    """Block ``layer``'s parameter shapes after TP and which are matmul weights: the uniform
+    ``shapes.block``, or, for a model whose layers mix token mixers (Qwen3.5's DeltaNet and
+    attention), its ``mixer_shapes(layer, tp)`` followed by the SwiGLU's and the norms'."""
+    mixer = getattr(a, "mixer_shapes", None)
+    if not callable(mixer):
+        return shapes.block, shapes.block_linear
+    own = mixer(layer, tp)
+    block = tuple(s for s, _ in own) + shapes.block[-5:]
+    return block, tuple(lin for _, lin in own) + shapes.block_linear[-5:]
 
 
 def shard_elems(shape: tuple[int, int], n: int) -> int:
@@ -285,7 +304,10 @@ def layer_activations(
     feed-forward in place of the SwiGLU where the model has them (``moe_memory.py``), plus the
     two norms' fp32 copies on CPU in low precision (recomputed under full and op-level AC)."""
     upcast = 2 * norm_upcast_bytes(a, tokens, act_bytes, dims.tp, device_type)
-    if is_mla(a):
+    own = getattr(a, "block_saved_bytes", None)
+    if callable(own):  # a family whose blocks differ says what each saves (Qwen3.5)
+        base = own(layer, tokens, act_bytes, dims.tp, mode)
+    elif is_mla(a):
         base = mla_activation_bytes(a, tokens, act_bytes, dims.tp, dims.cp, mode, device_type)
     else:
         base = block_activation_bytes(a, tokens, act_bytes, dims.tp, dims.cp, mode)

@@ -27,6 +27,7 @@ from torchtitan.plan.memory_terms import (
     in_flight_microbatches,
     is_mla,
     layer_activations,
+    layer_shapes,
     loss_working_set,
     master_weight_bytes,
     mla_note,
@@ -78,6 +79,9 @@ class RankMemory:
         self.offload = cfg.parallelism.fsdp_cpu_offload and self.fsdp
         self.shapes = stage_shapes(a, self.tp)
         self.notes: list[str] = []
+        generic = getattr(MODELS[cfg.model.name], "estimate_note", None)
+        if generic:  # the family's shape is read generically (the hf family)
+            self.notes.append(generic)
         self._hold(steady_state)
         self._gather()
         self._activations()
@@ -114,7 +118,7 @@ class RankMemory:
         # Per block (MoE blocks: router, experts per expert parallel, shared experts).
         self.sizes = {
             i: moe_terms.block_sizes(
-                a, shapes.block, shapes.block_linear, i, self._stored, self.dims.ep,
+                a, *layer_shapes(a, i, self.tp, shapes), i, self._stored, self.dims.ep,
                 self.n_shard, self.fsdp,
             )
             for i in self.layers + self.mtp_layers

@@ -77,6 +77,14 @@ def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
         return None
     spec = MODELS[cfg.model.name]
     model_plan = spec.parallel_plan(spec.flavors[cfg.model.flavor])
+    refused = model_plan.refusals.get("pipeline_parallel")
+    if refused:
+        raise ConfigError(
+            "parallelism.pipeline_parallel_degree",
+            p.pipeline_parallel_degree,
+            f"model {cfg.model.name} cannot be split into pipeline stages: {refused}",
+            "set it to 1",
+        )
     if model_plan.tied_embeddings:
         raise ConfigError(
             "parallelism.pipeline_parallel_degree",

@@ -16,7 +16,13 @@ from torchtitan.checkpoint.hf_io import INDEX
 from torchtitan.checkpoint.input_checks import check_dcp_folder
 from torchtitan.config.errors import ConfigError
 from torchtitan.models import MODELS
-from torchtitan.preflight.validate_weights import check_dcp_model, check_hf_model, hf_family
+from torchtitan.preflight.validate_weights import (
+    by_own_config,
+    check_dcp_model,
+    check_hf_files,
+    check_hf_model,
+    hf_family,
+)
 
 __all__ = ["check_flavor", "check_from_hf", "check_to_hf"]
 
@@ -59,7 +65,8 @@ def check_to_hf(a: argparse.Namespace) -> tuple[Any, int]:
     if not (path / io.MANIFEST).is_file():
         rule = "has no manifest.json: a save that never finished, or not written by torchtitan"
         raise ConfigError("checkpoint", str(path), rule, "give a complete step-N folder")
-    check_dcp_model(path, "checkpoint", a.model, a.flavor)
+    if not by_own_config(a.model):
+        check_dcp_model(path, "checkpoint", a.model, a.flavor)
     _fresh_output(a.output, "output", ["config.json", INDEX, "*.safetensors"])
     return args, int(gb * 1e9)
 
@@ -77,6 +84,13 @@ def check_from_hf(a: argparse.Namespace) -> None:
     if (folder / ".metadata").is_file() or io.complete_steps(folder):
         rule = "is a DCP checkpoint, not a Hugging Face folder"
         raise ConfigError("hf_folder", str(folder), rule, "to export it use to-hf")
+    step = io.step_dir(a.output, a.step)
+    if by_own_config(a.model):  # the hf family: its own config.json decides (file checks)
+        check_hf_files(folder, "hf_folder")
+        if step.exists():
+            rule = f"{step} exists: converting would replace it"
+            raise ConfigError("--step", a.step, rule, "use another --step or output folder")
+        return
     family, args = hf_family(folder, "hf_folder")
     if family != a.model:
         rule = f"{folder}/config.json describes a {family} model"
@@ -85,7 +99,6 @@ def check_from_hf(a: argparse.Namespace) -> None:
         check_flavor(args, MODELS[a.model], a.flavor, folder)
     what = f"its config.json's {family} model"
     check_hf_model(folder, "hf_folder", family, args, what, fit=True)
-    step = io.step_dir(a.output, a.step)
     if step.exists():
         rule = f"{step} exists: converting would replace it"
         raise ConfigError("--step", a.step, rule, "use another --step or output folder")

@@ -266,8 +266,12 @@ def validate_seed_checkpoint(cfg: JobConfig, world_size: int) -> None:
 
 
 def validate_attention(cfg: JobConfig, cp: int) -> None:
-    """The attention mask and kernel can run here (docs/attention.md)."""
+    """The attention mask and kernel can run here (docs/attention.md); a family's own kernel
+    check (its args' ``device_problem``: Qwen3.5's flash-linear-attention, docs/qwen3_5.md)."""
     m = cfg.model
+    device_problem = getattr(MODELS[m.name].flavors.get(m.flavor), "device_problem", None)
+    if callable(device_problem) and (problem := device_problem(device_type())) is not None:
+        raise problem
     block = m.attn_mask_type == "block_causal"
     if block:
         spec = MODELS[m.name]
@@ -301,12 +305,28 @@ def validate_attention(cfg: JobConfig, cp: int) -> None:
             "global positions), so a block mask would be built and never used",
             "use auto (sdpa under context parallel) or sdpa",
         )
-    if block and cp > 1 and cfg.parallelism.context_parallel_method == "ring":
+    if cfg.parallelism.context_parallel_load_balancer == "document" and not block:
         raise ConfigError(
-            "parallelism.context_parallel_method",
-            "ring",
-            "torch's ring attention has no document mask, so block_causal cannot run on it",
-            "use --parallelism.context_parallel_method allgather, or attn_mask_type causal",
+            "parallelism.context_parallel_load_balancer",
+            "document",
+            "the document balancer splits every packed document over the cp ranks, and "
+            f"model.attn_mask_type is {m.attn_mask_type!r} (one causal sequence, which "
+            "headtail already balances)",
+            "add --model.attn_mask_type block_causal, or use headtail",
+        )
+    p = cfg.parallelism
+    if (
+        block
+        and p.context_parallel_method == "ring"
+        and p.context_parallel_rotate_method != "allgather"
+    ):
+        raise ConfigError(
+            "parallelism.context_parallel_rotate_method",
+            p.context_parallel_rotate_method,
+            "block_causal ring attention runs our document ring, which passes each K/V shard "
+            "to the next cp rank point to point; the rotate method applies to torch's ring "
+            "(causal) only",
+            "drop --parallelism.context_parallel_rotate_method",
         )
 
 

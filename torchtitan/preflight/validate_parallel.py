@@ -42,7 +42,12 @@ def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
         fix = "use tensor_parallel_degree 1 or pipeline_parallel_degree 1 with this torch"
         raise ConfigError("parallelism.tensor_parallel_degree", tp, old_torch, fix)
     spec = MODELS[cfg.model.name]
-    divisible = spec.parallel_plan(spec.flavors[cfg.model.flavor]).tensor_parallel.divisible
+    model_plan = spec.parallel_plan(spec.flavors[cfg.model.flavor])
+    refused = model_plan.refusals.get("tensor_parallel")
+    if refused:
+        reason = f"model {cfg.model.name} cannot take tensor parallel: {refused}"
+        raise ConfigError("parallelism.tensor_parallel_degree", tp, reason, "set it to 1")
+    divisible = model_plan.tensor_parallel.divisible
     problem = tp_problem(divisible, tp)
     if problem is not None:
         valid = [d for d in range(1, 65) if tp_problem(divisible, d) is None]
@@ -78,14 +83,17 @@ def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
         return
     field = "parallelism.context_parallel_degree"
     spec = MODELS[cfg.model.name]
-    if spec.parallel_plan(spec.flavors[cfg.model.flavor]).context_parallel is None:
-        raise ConfigError(
-            field,
-            cp,
-            f"model {cfg.model.name} does not support context parallel (its attention cannot "
-            "be computed on a sharded sequence)",
-            "set it to 1",
+    model_plan = spec.parallel_plan(spec.flavors[cfg.model.flavor])
+    if model_plan.context_parallel is None:
+        why = model_plan.refusals.get(
+            "context_parallel", "its attention cannot be computed on a sharded sequence"
         )
+        reason = f"model {cfg.model.name} does not support context parallel ({why})"
+        fix = (
+            "set it to 1; for long sequences split the heads with tensor parallel and "
+            "checkpoint activations instead"
+        )
+        raise ConfigError(field, cp, reason, fix)
     seq = cfg.training.seq_len
     step = math.lcm(2 * cp, cp * tp)
     if seq % step != 0:
@@ -97,7 +105,9 @@ def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
             f"sequence parallel splits each rank's share over tp), so it must be divisible by {why}",
             f"use a multiple of {step}, e.g. {max(step, seq // step * step)}",
         )
-    if p.context_parallel_method == "ring" and device_type() != "cuda":
+    # block_causal rings run our document ring (distributed/context_parallel/ring.py), on any device.
+    block = cfg.model.attn_mask_type == "block_causal"
+    if p.context_parallel_method == "ring" and device_type() != "cuda" and not block:
         raise ConfigError(
             "parallelism.context_parallel_method",
             "ring",

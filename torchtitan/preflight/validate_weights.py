@@ -32,6 +32,8 @@ from torchtitan.models.common.args import mtp_overrides
 from torchtitan.models.common.moe import moe_overrides
 
 __all__ = [
+    "by_own_config",
+    "check_hf_files",
     "check_dcp_model",
     "check_hf_model",
     "hf_family",
@@ -45,6 +47,19 @@ __all__ = [
 _COUNTS = ("dim", "n_layers", "n_heads", "vocab_size")  # DecoderArgsBase's sizes: whole, >= 1
 _HF_FIX = "point it at a Hugging Face model folder (config.json + *.safetensors) written by "
 _HF_FIX += "transformers' save_pretrained or python -m torchtitan.convert to-hf"
+
+
+def by_own_config(name: str) -> bool:
+    """Whether the model ``name`` is built from each folder's own ``config.json`` (the ``hf``
+    family, docs/hf_models.md): its folders get the file checks only."""
+    return name in MODELS and not getattr(MODELS[name], "hf_model_types", ())
+
+
+def check_hf_files(folder: Path, field: str) -> None:
+    """A Hugging Face folder's files alone: ``config.json`` a JSON object, the safetensors
+    headers intact."""
+    read_json(folder / "config.json", field, str(folder), _HF_FIX)
+    safetensors_shapes(folder, field, str(folder), _HF_FIX)
 
 
 def hf_family(folder: Path, field: str) -> tuple[str, Any]:
@@ -201,6 +216,9 @@ def validate_hf_family(cfg: JobConfig) -> None:
     if not (ck.initial_load_in_hf and ck.initial_load_path) or cfg.model.name not in MODELS:
         return
     path, field = Path(ck.initial_load_path), "checkpoint.initial_load_path"
+    if by_own_config(cfg.model.name):
+        check_hf_files(path, field)
+        return
     family, _ = hf_family(path, field)
     name = cfg.model.name
     if family != name:
@@ -217,13 +235,17 @@ def validate_initial_load(cfg: JobConfig) -> None:
     path, field = Path(ck.initial_load_path), "checkpoint.initial_load_path"
     if ck.initial_load_in_hf:
         validate_hf_family(cfg)
+        if by_own_config(cfg.model.name):
+            return
         family, theirs = hf_family(path, field)
         _compare_configs(path, family, theirs, cfg)
         check_hf_model(path, field, family, _run_args(cfg), f"the run's model ({family})")
         return
     hint = "add --checkpoint.initial_load_in_hf to load a Hugging Face folder"
     check_dcp_folder(path, field, hint, ck.verify_checksums)
-    if cfg.lora.enable or cfg.model.flavor not in MODELS[cfg.model.name].flavors:
+    if cfg.lora.enable or by_own_config(cfg.model.name):
+        return
+    if cfg.model.flavor not in MODELS[cfg.model.name].flavors:
         return
     run = _run_args(cfg)
     saved = check_dcp_model(path, field, cfg.model.name, cfg.model.flavor, run)
@@ -241,6 +263,9 @@ def validate_eval_checkpoint(cfg: JobConfig, path: Path) -> None:
     if not path.exists():
         fix = "name a step-N folder, a checkpoint root or a Hugging Face folder"
         raise ConfigError(field, value, "does not exist", fix)
+    if (path / "config.json").is_file() and by_own_config(cfg.model.name):
+        check_hf_files(path, field)
+        return
     if (path / "config.json").is_file():
         family, args = hf_family(path, field)
         check_hf_model(path, field, family, args, f"its config.json's {family} model", fit=True)
@@ -257,6 +282,8 @@ def validate_eval_checkpoint(cfg: JobConfig, path: Path) -> None:
         path = io.step_dir(path, valid[0])
     hint = "a Hugging Face folder needs its config.json beside the *.safetensors files"
     check_dcp_folder(path, field, hint)
+    if by_own_config(cfg.model.name):
+        return
     if cfg.model.name in MODELS and cfg.model.flavor in MODELS[cfg.model.name].flavors:
         check_dcp_model(path, field, cfg.model.name, cfg.model.flavor)
 

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.distributed.context_parallel.layout import positions_in_documents
+
 __all__ = [
     "AttentionCore",
     "AttentionMask",
@@ -80,12 +82,8 @@ def allowed_keys(
 
 def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     """Position of every token within its document (int64 ``[B, S]``): RoPE positions that
-    restart at 0 where a document starts."""
-    seq = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    start_pos = torch.where(starts, seq, torch.zeros_like(seq)).cummax(dim=1).values
-    return seq - start_pos
+    restart at 0 where a document starts (the same count context parallel balances)."""
+    return positions_in_documents(doc_ids)
 
 
 class AttentionMask(NamedTuple):
@@ -94,6 +92,10 @@ class AttentionMask(NamedTuple):
 
     doc_ids: torch.Tensor
     block_mask: Any = None  # torch.nn.attention.flex_attention.BlockMask
+    positions: torch.Tensor | None = None
+    """The RoPE positions of these tokens (``[S]`` or ``[B, S]``), when the forward got them:
+    context parallel's core masks by them (in a document they order tokens as the sequence
+    does), since under its load balancers a rank's tokens are not a contiguous stretch."""
 
     def dense(
         self,
@@ -117,17 +119,20 @@ OptMask = AttentionMask | None
 """A layer's ``mask`` argument: ``None`` is plain causal attention."""
 
 
-def build_attention_mask(doc_ids: torch.Tensor, backend: str) -> AttentionMask:
-    """The mask every layer of one forward uses; ``flex`` builds its ``BlockMask`` here, once."""
+def build_attention_mask(
+    doc_ids: torch.Tensor, backend: str, positions: torch.Tensor | None = None
+) -> AttentionMask:
+    """The mask every layer of one forward uses; ``flex`` builds its ``BlockMask`` here, once.
+    ``positions`` (the forward's RoPE positions) ride along for context parallel's core."""
     if backend != "flex":
-        return AttentionMask(doc_ids)
+        return AttentionMask(doc_ids, positions=positions)
     from torch.nn.attention.flex_attention import create_block_mask
 
     batch, seq = doc_ids.shape
     block = create_block_mask(
         document_causal_mask_mod(doc_ids), batch, None, seq, seq, device=doc_ids.device
     )
-    return AttentionMask(doc_ids, block)
+    return AttentionMask(doc_ids, block, positions)
 
 
 def resolve_attn_backend(backend: str, device_type: str, cp_enabled: bool) -> str:

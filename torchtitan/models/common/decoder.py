@@ -240,7 +240,11 @@ class Decoder(nn.Module, abc.ABC):
         the attention mask the blocks used (the head and a family's extra modules reuse them)."""
         seqlen = h.shape[1]
         freqs_cis = self.freqs_cis[:seqlen] if positions is None else self.freqs_cis[positions]
-        mask = None if doc_ids is None else build_attention_mask(doc_ids, self.args.attn_backend)
+        mask = (
+            None
+            if doc_ids is None
+            else build_attention_mask(doc_ids, self.args.attn_backend, positions)
+        )
         for key, layer in self.layers.items():
             if cache is None:
                 h = layer(h, freqs_cis, mask=mask)

@@ -139,7 +139,7 @@ class Transformer(Decoder):
         )
 
     def enable_context_parallel(self, mesh: DeviceMesh) -> None:
-        """Called by context parallel (``distributed/context_parallel.py``, ``allgather``): the
+        """Called by context parallel (``distributed/context_parallel/core.py``, ``allgather``): the
         MTP blocks attend over the whole sequence like the main blocks (their attention core
         gathers K/V over ``cp``), and their loss is normalised by the whole sequences' targets.
         Their shifted tokens come in ``mtp_tokens``, made before the sequence was sharded."""

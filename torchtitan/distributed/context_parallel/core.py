@@ -15,11 +15,15 @@ Two methods (``parallelism.context_parallel_method``):
   rank falls with ``cp``; only one layer's full K/V is alive at a time. Under block-causal
   masking (docs/attention.md) the document ids are sharded like the tokens and all-gathered
   with K/V, and the mask is the model's own mask evaluated at global positions and documents.
-* ``ring`` (CUDA only): torch's experimental ``context_parallel`` (ring attention, K/V rotated
-  with ``context_parallel_rotate_method``), which patches SDPA and shards inputs, labels and the
-  RoPE table in place for the duration of forward and backward. On torch 2.13 it has no sharding
-  rule for CPU SDPA, hence a ConfigError there; it cannot mask by document either (a
-  ConfigError with block_causal).
+* ``ring``: for causal attention (CUDA only), torch's experimental ``context_parallel`` (ring
+  attention, K/V rotated with ``context_parallel_rotate_method``), which patches SDPA and
+  shards inputs, labels and the RoPE table in place for the duration of forward and backward
+  (torch 2.13 has no sharding rule for CPU SDPA, hence a ConfigError there). torch's ring has
+  no document mask: block_causal rings run ``ring.py`` (any device), sharded as ``allgather``.
+
+Which tokens a rank holds is the load balancer's choice (``layout.py``): ``headtail`` above, or
+``document`` (head-tail within every packed document), applied per sample to every ``[B, S]``
+input at once (``ContextParallel.shard``).
 
 The loss is a mean over each rank's tokens (equal counts on every cp rank), and FSDP shards and
 averages gradients over ``dp_shard x cp``, so the gradient is the global-batch mean as without CP.
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +41,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
+from torchtitan.distributed.context_parallel.layout import (
+    DocumentMask,
+    document_pairs,
+    shard_index,
+    take_tokens,
+)
+from torchtitan.distributed.context_parallel.ring import RingDocumentAttention
 from torchtitan.tools.torch_compat import all_gather_autograd
 
 __all__ = [
@@ -50,18 +61,9 @@ __all__ = [
 ]
 
 
-class DocumentMask(Protocol):
-    """What the all-gather core needs of the model's attention mask (``AttentionMask`` in
-    ``models/common/attention.py``): this rank's document ids and the mask at given positions."""
-
-    doc_ids: torch.Tensor
-
-    def dense(
-        self,
-        q_idx: torch.Tensor | None = None,
-        kv_idx: torch.Tensor | None = None,
-        doc_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
+QUERY_BLOCK = 512
+"""Queries per block of the block-causal all-gather core: each block attends only to the key
+columns some of its queries may see (the rest, other documents' keys, are skipped)."""
 
 
 def load_balanced_positions(
@@ -101,13 +103,14 @@ class AllGatherKVAttention(nn.Module):
     ``n_rep``-th head is gathered (n_rep times less traffic) and the repeat is done after.
     """
 
-    def __init__(self, cp_mesh: DeviceMesh, n_rep: int) -> None:
+    def __init__(self, cp_mesh: DeviceMesh, n_rep: int, query_block: int = QUERY_BLOCK) -> None:
         super().__init__()
         self.cp_mesh = cp_mesh
         self.cp = cp_mesh.size()
         self.rank = cp_mesh.get_local_rank()
         self.n_rep = n_rep
         self.order = chunk_order(self.cp)
+        self.query_block = query_block
 
     def extra_repr(self) -> str:
         return f"cp={self.cp}, rank={self.rank}, n_rep={self.n_rep}"
@@ -152,33 +155,66 @@ class AllGatherKVAttention(nn.Module):
     def _document_masked(
         self, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, mask: DocumentMask
     ) -> torch.Tensor:
-        """Block-causal attention: the document ids are gathered like K/V, and each local
-        chunk's queries use the model's mask at their global positions over keys ``0 ..``."""
-        c = q.shape[2] // 2
-        doc_all = self._gather_sequence(mask.doc_ids.t()).t()  # [B, S], global order
-        outs = []
-        for slot, g in enumerate((self.rank, 2 * self.cp - 1 - self.rank)):
-            q_g = q[:, :, slot * c : (slot + 1) * c]
-            k_g, v_g = k_all[:, :, : (g + 1) * c], v_all[:, :, : (g + 1) * c]
-            args = (q_g, k_g, v_g, mask, doc_all, g * c)
-            outs.append(checkpoint(_document_chunk, *args, use_reentrant=False))
-        return torch.cat(outs, dim=2)
+        """Block-causal attention for any load balancer: the document ids and positions of
+        the tokens are gathered like K/V, so every key is known by (document, position) and
+        each query attends to the keys of its document at or before it. Queries go in blocks
+        of ``query_block``; a block computes only the key columns one of its queries may see
+        (skipping the other documents' keys), recomputed in backward like ``_masked_chunk``."""
+        batch, local = q.shape[0], q.shape[2]
+        pos = mask.positions
+        if pos is None:  # the forward got no positions: the head-tail layout's
+            pos = load_balanced_positions(local * self.cp, self.cp, self.rank, q.device)
+        q_pos = pos.to(q.device).expand(batch, local)
+        q_doc = mask.doc_ids
+        k_pos = self._gather_sequence(q_pos.t().contiguous()).t()  # [B, S], as K/V
+        k_doc = self._gather_sequence(q_doc.t().contiguous()).t()
+        return document_attention(q, k_all, v_all, (q_pos, q_doc, k_pos, k_doc), self.query_block)
 
 
-def _document_chunk(
+def document_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: DocumentMask,
-    doc_all: torch.Tensor,
-    offset: int,
+    where: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    query_block: int = QUERY_BLOCK,
 ) -> torch.Tensor:
-    """Queries at global positions ``offset ..`` over keys ``0 ..``, masked by ``mask``'s
-    definition (position and document); recomputed in backward like ``_masked_chunk``."""
-    q_pos = torch.arange(offset, offset + q.shape[2], device=q.device)
-    kv_pos = torch.arange(k.shape[2], device=q.device)
-    dense = mask.dense(q_pos, kv_pos, doc_all)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    """Block-causal attention of queries in any order over keys in any order, ``where`` =
+    ``(q_pos, q_doc, k_pos, k_doc)`` (``[B, Lq]``, ``[B, Lk]``). The queries are visited in
+    (document, position) order, so a block of ``query_block`` holds few documents and needs
+    few key columns (a balancer's order interleaves documents); the output is put back in the
+    queries' order."""
+    q_pos, q_doc, k_pos, k_doc = where
+    order = (q_doc.long() * 2**32 + q_pos).argsort(dim=1)  # [B, Lq]; positions < 2**32
+    q_s = q.gather(2, order[:, None, :, None].expand_as(q))
+    pos_s, doc_s = q_pos.gather(1, order), q_doc.gather(1, order)
+    outs = []
+    for start in range(0, q.shape[2], query_block):
+        blk = slice(start, start + query_block)
+        args = (q_s[:, :, blk], k, v, pos_s[:, blk], doc_s[:, blk], k_pos, k_doc)
+        outs.append(checkpoint(_document_block, *args, use_reentrant=False))
+    out = torch.cat(outs, dim=2)
+    inverse = order.argsort(dim=1)
+    return out.gather(2, inverse[:, None, :, None].expand(*out.shape[:3], out.shape[3]))
+
+
+def _document_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    q_doc: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_doc: torch.Tensor,
+) -> torch.Tensor:
+    """One block of queries over the key columns any of them may attend to (every query sees
+    at least itself, so no row is empty)."""
+    allowed = document_pairs(q_pos, q_doc, k_pos, k_doc)
+    if torch.compiler.is_compiling():  # data-dependent shapes: compiled, every column is computed
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+    cols = allowed.any(dim=1).any(dim=0).nonzero().squeeze(1)
+    if cols.numel() < k.shape[2]:
+        k, v, allowed = k.index_select(2, cols), v.index_select(2, cols), allowed[:, :, cols]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
 
 
 def _masked_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int) -> torch.Tensor:
@@ -202,6 +238,12 @@ def _positions_hook(cp: int, rank: int):  # type: ignore[no-untyped-def]
     return hook
 
 
+def _core(method: str, cp_mesh: DeviceMesh, n_rep: int) -> nn.Module:
+    if method == "ring":  # block_causal: our document ring (torch's ring has no such mask)
+        return RingDocumentAttention(cp_mesh, n_rep)
+    return AllGatherKVAttention(cp_mesh, n_rep)
+
+
 def apply_cp(
     model: nn.Module,
     blocks: nn.ModuleDict,
@@ -209,6 +251,7 @@ def apply_cp(
     attention_core: str,
     n_rep: int,
     method: str,
+    document_mask: bool = False,
 ) -> None:
     """Make ``model`` (a whole model or a pipeline stage of one) context parallel.
 
@@ -224,13 +267,13 @@ def apply_cp(
         enable = getattr(module, "enable_context_parallel", None)
         if callable(enable):
             enable(cp_mesh)
-    if method == "ring":
+    if method == "ring" and not document_mask:
         return
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     parent_path, _, name = attention_core.rpartition(".")
     for block in blocks.values():
         parent = block.get_submodule(parent_path) if parent_path else block
-        setattr(parent, name, AllGatherKVAttention(cp_mesh, n_rep))
+        setattr(parent, name, _core(method, cp_mesh, n_rep))
     model.register_forward_pre_hook(_positions_hook(cp, rank), with_kwargs=True)
 
 
@@ -246,10 +289,12 @@ class ContextParallel:
         model_parts: list[nn.Module],
         rotate_method: str = "allgather",
         rope_buffer: str | None = None,
+        balancer: str = "headtail",
     ) -> None:
         self.mesh = cp_mesh
         self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
         self.method = method
+        self.balancer = balancer
         self.model_parts = model_parts
         self.rope_buffer = rope_buffer
         if method == "ring":
@@ -257,19 +302,42 @@ class ContextParallel:
 
             set_rotate_method(rotate_method)
 
+    def shard(
+        self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """This rank's tokens of every ``[B, S]`` tensor, all taken at the same positions (so
+        loss, labels, RoPE positions and document ids stay together). The ``document``
+        balancer's positions differ per sample; the model then gets their global positions as
+        ``positions`` (unless per-document ones are there already)."""
+        if self.balancer == "headtail":
+            return (
+                shard_sequence(inputs, self.cp, self.rank),
+                shard_sequence(labels, self.cp, self.rank),
+                {k: shard_sequence(t, self.cp, self.rank) for k, t in extra.items()},
+            )
+        doc_ids = extra["doc_ids"]  # config validation: the document balancer needs block_causal
+        batch, seq = doc_ids.shape
+        index = shard_index(seq, self.cp, self.rank, self.balancer, doc_ids)
+        if "positions" not in extra:
+            extra = {
+                **extra,
+                "positions": torch.arange(seq, device=doc_ids.device).expand(batch, seq),
+            }
+        return (
+            take_tokens(inputs, index),
+            take_tokens(labels, index),
+            {k: take_tokens(t, index) for k, t in extra.items()},
+        )
+
     @contextlib.contextmanager
     def batch(
         self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any] | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
         extra = extra or {}
-        if self.method != "ring":
-            yield (
-                shard_sequence(inputs, self.cp, self.rank),
-                shard_sequence(labels, self.cp, self.rank),
-                {k: shard_sequence(t, self.cp, self.rank) for k, t in extra.items()},
-            )
+        if self.method != "ring" or "doc_ids" in extra:  # block_causal rings run our core
+            yield self.shard(inputs, labels, extra)
             return
-        assert not extra, "ring attention takes no document ids (refused by config validation)"
+        assert not extra, "torch's ring attention takes no extra inputs (config validation)"
         from torch.distributed.tensor.experimental import context_parallel
 
         # torch shards these in place (same head-tail layout) and restores the RoPE tables.

@@ -1,0 +1,171 @@
+"""The ``hf`` family's args: one local transformers ``config.json`` (docs/hf_models.md).
+
+``model.flavor`` is the path of a Hugging Face folder (holding ``config.json``, and weights
+when ``checkpoint.initial_load_in_hf`` loads them) or of a ``config.json`` itself:
+:class:`HFFlavors` reads it on lookup, so config validation refuses a bad file before any
+process group exists, as one line naming the file and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator, Mapping
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.models.hf.model import meta_model
+
+FIELD = "model.flavor"
+
+
+@dataclasses.dataclass(frozen=True)
+class HFArgs:
+    """A transformers causal LM's shape, read from its ``config.json`` (``hf_config``); the
+    trainer replaces ``vocab_size`` (the tokenizer's) and ``max_seq_len``."""
+
+    path: str
+    hf_config: Mapping[str, Any] = dataclasses.field(repr=False, compare=False, hash=False)
+    n_layers: int = 0
+    vocab_size: int = 0
+    max_seq_len: int = 2048
+    dim: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim_: int = 0
+    intermediate_size: int = 0
+    tie_word_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.intermediate_size
+
+    def num_params(self, exclude_embedding: bool = False, active: bool = False) -> int:
+        """Parameters of the model built on ``meta`` (exact for any architecture), less the
+        embedding matrix with ``exclude_embedding``. ``active`` counts every expert of a
+        mixture too: the generic family does not know its routing (docs/hf_models.md)."""
+        n = sum(p.numel() for p in meta_model(self).parameters())
+        return n - self.vocab_size * self.dim if exclude_embedding else n
+
+    @cached_property
+    def config(self) -> Any:
+        """The transformers ``PretrainedConfig`` this run builds: the file's, with our
+        vocabulary, and token ids outside it dropped."""
+        from transformers import AutoConfig
+
+        raw = dict(self.hf_config)
+        model_type = raw.pop("model_type")
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            if isinstance(raw.get(key), int) and raw[key] >= self.vocab_size:
+                raw[key] = None
+        raw["vocab_size"] = self.vocab_size
+        raw["max_position_embeddings"] = max(
+            int(raw.get("max_position_embeddings") or 0), self.max_seq_len
+        )
+        raw["use_cache"] = False
+        return AutoConfig.for_model(model_type, **raw)
+
+
+def _config_file(path: str) -> Path:
+    p = Path(path)
+    file = p / "config.json" if p.is_dir() else p
+    if not file.is_file():
+        raise ConfigError(
+            FIELD,
+            path,
+            "the hf family reads a Hugging Face folder holding config.json, or a config.json, "
+            "and there is none there",
+            "pass a local folder saved by transformers' save_pretrained, or its config.json",
+        )
+    return file
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    """The ``config.json`` at ``path`` (a folder or the file), checked: valid JSON, a
+    ``model_type`` transformers knows as a causal LM, and no remote code."""
+    file = _config_file(path)
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(FIELD, path, f"{file} is not valid JSON ({e})", "fix the file") from e
+    if not isinstance(config, dict):
+        raise ConfigError(FIELD, path, f"{file} is not a JSON object", "fix the file")
+    if "auto_map" in config:
+        raise ConfigError(
+            FIELD,
+            path,
+            f"{file} names remote code (auto_map): building it would run Python files from "
+            "the folder (trust_remote_code), which can do anything on this machine",
+            "use a model transformers implements itself (no auto_map), or port its code",
+        )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        arch = config.get("architectures")
+        raise ConfigError(
+            FIELD,
+            path,
+            f"{file} has model_type {model_type!r} (architectures {arch}), which this "
+            "transformers does not know as a causal LM",
+            "upgrade transformers, or use a folder of a supported architecture",
+        )
+    return config
+
+
+def args_from_config(path: str, config: Mapping[str, Any]) -> HFArgs:
+    """The shape fields of an (already checked) HF config dict; nested text configs (Gemma 3's
+    multimodal wrapper) are read through their ``text_config``."""
+    text = config.get("text_config") or config
+    dim = int(text.get("hidden_size") or text.get("d_model") or 0)
+    heads = int(text.get("num_attention_heads") or 0)
+    return HFArgs(
+        path=path,
+        hf_config=dict(config),
+        n_layers=int(text.get("num_hidden_layers") or 0),
+        vocab_size=int(text.get("vocab_size") or 0),
+        max_seq_len=int(text.get("max_position_embeddings") or 2048),
+        dim=dim,
+        n_heads=heads,
+        n_kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim_=int(text.get("head_dim") or (dim // heads if heads else 0)),
+        intermediate_size=int(text.get("intermediate_size") or 0),
+        tie_word_embeddings=bool(
+            config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        ),
+    )
+
+
+class HFFlavors(Mapping[str, HFArgs]):
+    """``model.flavor`` -> args: any path to a local HF folder or ``config.json`` is a flavor
+    (read on lookup; a bad one raises :class:`ConfigError`). Lists the paths looked up so far."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, HFArgs] = {}
+
+    def __getitem__(self, path: str) -> HFArgs:
+        if path not in self._seen:
+            self._seen[path] = args_from_config(path, read_hf_config(path))
+        return self._seen[path]
+
+    def __contains__(self, path: object) -> bool:
+        if not isinstance(path, str):
+            return False
+        self[path]  # raises the ConfigError that says what is wrong with it
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._seen))
+
+    def __len__(self) -> int:
+        return len(self._seen)
