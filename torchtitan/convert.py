@@ -12,7 +12,7 @@ streaming export (``checkpoint/hf_io.py``; docs/hf_io.md): no rank ever holds mo
 shard plus one full tensor. After writing, the output is read back the same way and compared
 bitwise (``--no-verify`` skips it). Conversion runs on host memory, so the group is gloo.
 Every argument and input folder is checked first, before any process group or model
-(``preflight/validate_convert.py``): bad input is one line ``error: <argument> = <value>: ...
+(``preflight/validate_convert.py``): bad input is one line ``config error: <argument> = <value>: ...
 Fix: ...`` and exit 2, and nothing is written.
 """
 
