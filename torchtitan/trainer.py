@@ -43,10 +43,9 @@ from torchtitan.guards.spikes import StepGuard
 from torchtitan.lora.qlora import quantize_base
 from torchtitan.loss.chunked import build_chunked_loss
 from torchtitan.microbatch import MicrobatchRunner, ScaledLoss
-from torchtitan.models import MODELS, model_title, runtime_args
-from torchtitan.models.common.args import mtp_overrides
+from torchtitan.models import MODELS, model_title, run_args
 from torchtitan.models.common.attention import resolve_attn_backend
-from torchtitan.models.common.moe import moe_overrides, set_aux_loss_scale
+from torchtitan.models.common.moe import set_aux_loss_scale
 from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
 from torchtitan.optim.lr_scheduler import build_lr_scheduler
 from torchtitan.optim.optimizer import build_optimizer
@@ -133,11 +132,8 @@ class Trainer:
         cfg, dims = self.cfg, self.parallel_dims
         self.spec = MODELS[cfg.model.name]
         backend = resolve_attn_backend(cfg.model.attn_backend, self.device.type, dims.cp_enabled)
-        self.model_args = runtime_args(
-            self.spec, cfg.model.flavor, self.tokenizer.vocab_size, cfg.training.seq_len, backend
-        )
-        self.model_args = moe_overrides(self.model_args, cfg.model)  # model.moe_* (docs/moe.md)
-        self.model_args = mtp_overrides(self.model_args, cfg.model)  # docs/deepseek_v3.md
+        # the flavor, an HF folder's RoPE/window settings, model.moe_* and model.mtp_*
+        self.model_args = run_args(cfg, self.tokenizer.vocab_size, backend)
         model = build_meta_model(cfg, self.spec, self.model_args, dims, self.device)
         loss_fn = build_loss_fn(cfg, dims)
         self.param_dtype = dist_utils.resolve_dtype(

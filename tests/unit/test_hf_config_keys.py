@@ -21,7 +21,7 @@ import transformers
 
 from tests import hf_parity
 from tests.tiny_args import tiny_hf_cases
-from torchtitan.models import MODELS, check_hf_config, family_for_hf_config, hf_config_mismatch
+from torchtitan.models import MODELS, check_hf_config, family_for_hf_config
 from torchtitan.models.common.hf.keys import HFConfigError
 
 _ROPE: dict[str, dict[str, Any] | None] = {
@@ -334,22 +334,52 @@ def test_entry_points_exit_2_with_one_line(
     assert "rope_parameters" in err[0] and "dynamic" in err[0], err
 
 
-def test_training_refuses_a_folder_the_flavor_would_drop(tmp_path: Path) -> None:
-    """``checkpoint.initial_load_in_hf`` builds the flavor: a window or YaRN in config.json that
-    the flavor lacks is refused in preflight, naming the field."""
+def test_training_builds_the_folders_window_and_yarn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``checkpoint.initial_load_in_hf`` on a folder whose config.json adds a sliding window and
+    YaRN to the flavor's shapes: the run builds that model (``models.run_args``, what the trainer
+    and the estimator build) and its logits equal transformers'; the preflight reads the same
+    args (a windowed Qwen3 refuses context parallel)."""
+    from torchtitan.checkpoint.hf_io import load_hf_streaming
     from torchtitan.config.errors import ConfigError
-    from torchtitan.preflight.validate_features import _check_hf_config_json
+    from torchtitan.config.manager import parse_args
+    from torchtitan.models import run_args
+    from torchtitan.preflight.validate_parallel import validate_context_parallel
 
-    family, args = tiny_hf_cases()["qwen3"]
-    config = MODELS[family].state_dict_adapter(args).hf_config()  # type: ignore[union-attr]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    _check_hf_config_json(tmp_path, family, args)  # the same model: accepted
-    assert hf_config_mismatch(family, config, args) is None
+    family, flavor = tiny_hf_cases()["qwen3"]
+    spec = MODELS[family]
+    monkeypatch.setitem(spec.flavors, "tiny", flavor)  # type: ignore[index]
+    config = spec.state_dict_adapter(flavor).hf_config()  # type: ignore[union-attr]
     config.update(use_sliding_window=True, sliding_window=8, max_window_layers=0)
     del config["layer_types"]  # else transformers (and we) window only the layers it names
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match="sliding_window is 8 there, None in the flavor"):
-        _check_hf_config_json(tmp_path, family, args)
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    config["rope_parameters"] = {"rope_theta": flavor.rope_theta, **yarn}
+    hf_config = transformers.Qwen3Config(**config)
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(hf_config).float().eval()
+    hf.save_pretrained(tmp_path)
+    argv = ["--model.name", family, "--model.flavor", "tiny", "--training.seq_len", "64"]
+    argv += ["--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.initial_load_in_hf"]
+    cfg = parse_args(argv)
+
+    args = run_args(cfg, flavor.vocab_size)
+    assert args.sliding_window == 8 and flavor.sliding_window is None
+    assert args.rope_scaling != flavor.rope_scaling
+    with torch.device("meta"):
+        ours = spec.build(args)
+    ours.to_empty(device="cpu")
+    load_hf_streaming([ours], spec.state_dict_adapter(args), tmp_path)
+    ours.init_buffers()  # type: ignore[operator]
+    with torch.no_grad():
+        rel = _rel(ours(hf_parity.tokens()), hf(hf_parity.tokens()).logits)
+    print(f"training's args from a windowed YaRN folder: logits {rel:.1e} relative")
+    assert rel <= 1e-5, rel
+
+    cfg.parallelism.context_parallel_degree = 2
+    with pytest.raises(ConfigError, match="does not support context parallel"):
+        validate_context_parallel(cfg, 2, 1)
 
 
 def test_hf_io_doc_tables_are_current() -> None:

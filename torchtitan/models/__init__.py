@@ -3,9 +3,15 @@ docs/extending.md)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from torchtitan.config.errors import ConfigError
+from torchtitan.models.common.args import mtp_overrides
+from torchtitan.models.common.moe import moe_overrides
 from torchtitan.models.deepseek_v3 import deepseek_v3_spec
 from torchtitan.models.gpt_oss import gpt_oss_spec
 from torchtitan.models.hf import hf_spec
@@ -75,7 +81,8 @@ HONOURED_FIELDS = (
     "norm_eps",
 )
 """The args fields a ``config.json`` sets beyond the shapes (RoPE, attention windows, the tied
-head): a run that loads the folder into a flavor must agree on them."""
+head, the norm epsilon): a run that starts from the folder takes them from it
+(:func:`hf_folder_settings`); its shapes stay the flavor's."""
 
 
 def hf_config_mismatch(family: str, config: Mapping[str, Any], args: Any) -> str | None:
@@ -91,12 +98,67 @@ def hf_config_mismatch(family: str, config: Mapping[str, Any], args: Any) -> str
     return None
 
 
+def hf_folder_settings(cfg: Any) -> dict[str, Any]:
+    """What a run that starts from a Hugging Face folder (``checkpoint.initial_load_in_hf``)
+    takes from its ``config.json`` beyond the shapes: the :data:`HONOURED_FIELDS` (RoPE
+    scaling, attention windows, the tied head, ``rope_theta``, the norm epsilon), so a Qwen3
+    folder with YaRN or a sliding window trains as that model (docs/hf_io.md, "Config keys").
+    Empty without such a folder, or when its ``config.json`` is unreadable or of another family
+    (the preflight names those: ``preflight/validate_weights.py``). The shapes stay the
+    flavor's, checked against the folder's by the preflight."""
+    ck = cfg.checkpoint
+    spec = MODELS.get(cfg.model.name)
+    hf = getattr(spec, "hf", None)
+    types = getattr(spec, "hf_model_types", ())
+    if not (ck.initial_load_in_hf and ck.initial_load_path) or not types or hf is None:
+        return {}
+    try:
+        config = json.loads((Path(ck.initial_load_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict) or config.get("model_type", "llama") not in types:
+        return {}
+    try:
+        theirs = hf.config.args_from_hf(config)
+    except ConfigError:  # a value we cannot compute: one line, exit 2
+        raise
+    except (KeyError, TypeError, ValueError):
+        return {}
+    flavor = spec.flavors[cfg.model.flavor]  # type: ignore[union-attr]
+    names = [n for n in HONOURED_FIELDS if hasattr(flavor, n) and hasattr(theirs, n)]
+    return {n: getattr(theirs, n) for n in names if getattr(theirs, n) != getattr(flavor, n)}
+
+
+def flavor_args(cfg: Any) -> Any:
+    """The flavor's args with a Hugging Face folder's settings (:func:`hf_folder_settings`):
+    what the preflight's model checks read (the runtime sizes are :func:`run_args`')."""
+    args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
+    settings = hf_folder_settings(cfg)
+    return dataclasses.replace(args, **settings) if settings else args
+
+
+def run_args(cfg: Any, vocab_size: int, attn_backend: str | None = None) -> Any:
+    """The args a run builds, one home for the trainer, the preflight, the estimator and the
+    planner: the flavor with the tokenizer's vocabulary and ``training.seq_len``
+    (:func:`runtime_args`), a Hugging Face folder's settings, then the ``model.moe_*`` and
+    ``model.mtp_*`` overrides."""
+    spec = MODELS[cfg.model.name]
+    args = runtime_args(spec, cfg.model.flavor, vocab_size, cfg.training.seq_len, attn_backend)
+    settings = hf_folder_settings(cfg)
+    if settings:
+        args = dataclasses.replace(args, **settings)
+    return mtp_overrides(moe_overrides(args, cfg.model), cfg.model)
+
+
 __all__ = [
     "MODELS",
     "ModelSpec",
     "check_hf_config",
     "family_for_hf_config",
+    "flavor_args",
+    "hf_folder_settings",
     "hf_config_mismatch",
     "model_title",
+    "run_args",
     "runtime_args",
 ]

@@ -36,9 +36,7 @@ from __future__ import annotations
 from torchtitan.config.job_config import JobConfig
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models import MODELS, runtime_args
-from torchtitan.models.common.args import mtp_overrides
-from torchtitan.models.common.moe import moe_overrides
+from torchtitan.models import MODELS, run_args
 from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.plan.memory_terms import (
     GIB,
@@ -81,16 +79,16 @@ def resolve_vocab_size(cfg: JobConfig, args: ModelArgs) -> int:
 
 
 def model_args_for(cfg: JobConfig, vocab_size: int | None = None) -> ModelArgs:
-    """The args the trainer would build (``runtime_args``, then the ``model.moe_*`` and
-    ``model.mtp_*`` overrides), typed as the decoder shape this estimator models."""
+    """The args the trainer would build (``models.run_args``: the flavor, an HF folder's
+    settings, the ``model.moe_*`` and ``model.mtp_*`` overrides), typed as the decoder shape
+    this estimator models."""
     spec = MODELS[cfg.model.name]
     vocab = (
         resolve_vocab_size(cfg, spec.flavors[cfg.model.flavor])
         if vocab_size is None
         else vocab_size
     )
-    args = runtime_args(spec, cfg.model.flavor, vocab, cfg.training.seq_len)
-    shape: ModelArgs = mtp_overrides(moe_overrides(args, cfg.model), cfg.model)
+    shape: ModelArgs = run_args(cfg, vocab)
     return shape
 
 

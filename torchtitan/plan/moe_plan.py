@@ -26,7 +26,7 @@ from typing import Any
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims, divisors
-from torchtitan.models import MODELS
+from torchtitan.models import flavor_args
 from torchtitan.plan.moe_memory import all_to_all_bytes, moe_of
 from torchtitan.preflight.validate_moe import validate_expert_parallel
 
@@ -76,7 +76,7 @@ def ep_choices(
     cfg: JobConfig, world_size: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, pp: int
 ) -> list[int]:
     """Expert-parallel degrees the validator accepts for this layout (1 always)."""
-    flavor = MODELS[cfg.model.name].flavors[cfg.model.flavor]
+    flavor = flavor_args(cfg)
     if moe_of(flavor) is None:
         return [1]
     out = [1]

@@ -19,7 +19,7 @@ from torchtitan.distributed.pipeline_plan import (
     plan_from_config,
 )
 from torchtitan.distributed.utils import device_type
-from torchtitan.models import MODELS
+from torchtitan.models import MODELS, flavor_args
 from torchtitan.preflight.validate_chat import validate_chat
 from torchtitan.preflight.validate_data import validate_data
 from torchtitan.preflight.validate_eval import validate_eval
@@ -76,7 +76,7 @@ def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
     if p.pipeline_parallel_degree <= 1:
         return None
     spec = MODELS[cfg.model.name]
-    model_plan = spec.parallel_plan(spec.flavors[cfg.model.flavor])
+    model_plan = spec.parallel_plan(flavor_args(cfg))
     refused = model_plan.refusals.get("pipeline_parallel")
     if refused:
         raise ConfigError(

@@ -15,7 +15,7 @@ from torchtitan.distributed.activation_checkpoint import parse_selective_option
 from torchtitan.distributed.float8 import float8_unsupported_reason
 from torchtitan.distributed.pipeline_plan import SCHEDULES, normalize_schedule_name
 from torchtitan.distributed.utils import device_type
-from torchtitan.models import MODELS, hf_config_mismatch
+from torchtitan.models import MODELS, flavor_args, hf_config_mismatch
 from torchtitan.preflight.validate_weights import validate_hf_family
 
 
@@ -210,7 +210,7 @@ def validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
             )
         if spec is not None and flavor is not None:
             validate_hf_family(cfg)  # readable, a family we train, the run's (validate_weights)
-            _check_hf_config_json(Path(ck.initial_load_path), cfg.model.name, flavor)
+            _check_hf_config_json(Path(ck.initial_load_path), cfg.model.name, flavor_args(cfg))
     if ck.async_mode == "async_with_pinned_mem" and device_type() != "cuda":
         raise ConfigError(
             "checkpoint.async_mode",
@@ -275,7 +275,7 @@ def validate_attention(cfg: JobConfig, cp: int) -> None:
     block = m.attn_mask_type == "block_causal"
     if block:
         spec = MODELS[m.name]
-        if not spec.parallel_plan(spec.flavors[m.flavor]).document_mask:
+        if not spec.parallel_plan(flavor_args(cfg)).document_mask:
             raise ConfigError(
                 "model.attn_mask_type",
                 m.attn_mask_type,
@@ -330,10 +330,11 @@ def validate_attention(cfg: JobConfig, cp: int) -> None:
         )
 
 
-def _check_hf_config_json(folder: Path, family: str, flavor: Any) -> None:
+def _check_hf_config_json(folder: Path, family: str, args: Any) -> None:
     """The folder's ``config.json`` keys (docs/hf_io.md, "Config keys": a value we cannot
-    compute is refused, an unknown key warned about) and the RoPE / window / tied-head fields it
-    sets against the flavor's, which the run builds: a difference would be dropped silently."""
+    compute is refused, an unknown key warned about) and that it describes a ``family`` model
+    agreeing with ``args``: the run's flavor with the folder's own RoPE / window / tied-head
+    settings (``models.flavor_args``), which the run builds."""
     path = folder / "config.json"
     try:
         config = json.loads(path.read_text())
@@ -342,7 +343,7 @@ def _check_hf_config_json(folder: Path, family: str, flavor: Any) -> None:
     if not isinstance(config, dict):
         return
     try:
-        problem = hf_config_mismatch(family, config, flavor)
+        problem = hf_config_mismatch(family, config, args)
     except ConfigError:
         raise
     except (KeyError, TypeError, ValueError) as e:
@@ -351,7 +352,7 @@ def _check_hf_config_json(folder: Path, family: str, flavor: Any) -> None:
         raise ConfigError(
             "checkpoint.initial_load_path",
             str(folder),
-            f"config.json: {problem}; the run builds model.flavor and would drop it",
-            "pick the flavor with those settings, or convert the folder with python -m "
+            f"config.json: {problem}",
+            f"use a Hugging Face folder of a {family} model, or convert it with python -m "
             "torchtitan.convert from-hf and check its args",
         )

@@ -19,7 +19,7 @@ from torchtitan.lora.apply import apply_lora, with_targets
 from torchtitan.lora.layers import LoRAExperts, LoRALinear
 from torchtitan.lora.peft_io import AdapterMismatch, check_adapters
 from torchtitan.lora.qlora import nf4_shard_problem
-from torchtitan.models import MODELS
+from torchtitan.models import MODELS, flavor_args
 from torchtitan.models.common.moe_experts import StackedExperts
 from torchtitan.preflight.validate_weights import validate_peft_folder
 
@@ -106,7 +106,7 @@ def _fix(model: torch.nn.Module) -> str:
 
 def _check_targets(cfg: JobConfig, lo: Lora, dims: ParallelDims) -> None:
     spec = MODELS[cfg.model.name]
-    args = spec.flavors[cfg.model.flavor]  # the shapes decide what matches
+    args = flavor_args(cfg)  # the shapes decide what matches
     try:
         lo = with_targets(lo, spec, args)
     except AdapterMismatch as e:

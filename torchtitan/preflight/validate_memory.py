@@ -7,7 +7,7 @@ from __future__ import annotations
 from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models import MODELS
+from torchtitan.models import MODELS, flavor_args
 
 
 def validate_memory_levers(cfg: JobConfig, world_size: int) -> None:
@@ -60,7 +60,7 @@ def _validate_chunked_loss(cfg: JobConfig) -> None:
         return
     spec = MODELS[cfg.model.name]
     if cfg.model.flavor in spec.flavors:
-        plan = spec.parallel_plan(spec.flavors[cfg.model.flavor])
+        plan = spec.parallel_plan(flavor_args(cfg))
         if plan.tensor_parallel.output is None:
             raise ConfigError(
                 "training.loss_chunk_size",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims, divisors
-from torchtitan.models import MODELS
+from torchtitan.models import flavor_args
 
 _FIELD = "parallelism.expert_parallel_degree"
 
@@ -15,7 +15,7 @@ def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
     """The MoE overrides need an MoE flavor; EP needs one whose expert count it divides, and
     borrows its ranks from dp_shard x cp (which it must divide). EP composes with FSDP, HSDP,
     TP, PP and CP (docs/parallelisms.md, "Expert parallel")."""
-    moe = getattr(MODELS[cfg.model.name].flavors[cfg.model.flavor], "moe", None)
+    moe = getattr(flavor_args(cfg), "moe", None)
     for name in ("moe_aux_loss_coef", "moe_bias_update_rate"):
         value = getattr(cfg.model, name)
         if value != -1.0 and (value < 0 or moe is None):
@@ -62,7 +62,7 @@ def validate_mtp(cfg: JobConfig, dims: ParallelDims) -> None:
     pipeline parallel (on the last stage) and under context parallel's ``allgather`` method; its
     shifted tokens are not passed through ``ring`` attention's in-place sharding, and the chunked
     loss, which defers the output head, has no MTP losses (both refused; docs/deepseek_v3.md)."""
-    args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
+    args = flavor_args(cfg)
     has_mtp = hasattr(args, "mtp_depth")
     for name in ("mtp_depth", "mtp_loss_weight"):
         value = getattr(cfg.model, name)

@@ -10,7 +10,7 @@ import torch
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, OptimizerGroup
-from torchtitan.models import MODELS
+from torchtitan.models import MODELS, flavor_args
 from torchtitan.optim.param_groups import KINDS, MUON_KINDS, param_kinds, resolve, rule_matches
 
 _OPTIMIZERS = ("default", "AdamW", "Muon")
@@ -93,7 +93,7 @@ def _validate_matches(cfg: JobConfig) -> None:
     spec = MODELS.get(cfg.model.name)
     if spec is None or cfg.model.flavor not in spec.flavors:
         return  # the model checks name these fields
-    args = spec.flavors[cfg.model.flavor]
+    args = flavor_args(cfg)
     with torch.device("meta"):
         model = spec.build(args)
     plan = spec.parallel_plan(args)

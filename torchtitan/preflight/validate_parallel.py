@@ -8,7 +8,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.tensor_parallel import tp_problem
 from torchtitan.distributed.utils import device_type
-from torchtitan.models import MODELS
+from torchtitan.models import MODELS, flavor_args
 from torchtitan.tools.torch_compat import pipeline_dtensor_unsupported_reason
 
 
@@ -42,7 +42,7 @@ def validate_tensor_parallel(cfg: JobConfig, tp: int) -> None:
         fix = "use tensor_parallel_degree 1 or pipeline_parallel_degree 1 with this torch"
         raise ConfigError("parallelism.tensor_parallel_degree", tp, old_torch, fix)
     spec = MODELS[cfg.model.name]
-    model_plan = spec.parallel_plan(spec.flavors[cfg.model.flavor])
+    model_plan = spec.parallel_plan(flavor_args(cfg))
     refused = model_plan.refusals.get("tensor_parallel")
     if refused:
         reason = f"model {cfg.model.name} cannot take tensor parallel: {refused}"
@@ -83,7 +83,7 @@ def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
         return
     field = "parallelism.context_parallel_degree"
     spec = MODELS[cfg.model.name]
-    model_plan = spec.parallel_plan(spec.flavors[cfg.model.flavor])
+    model_plan = spec.parallel_plan(flavor_args(cfg))
     if model_plan.context_parallel is None:
         why = model_plan.refusals.get(
             "context_parallel", "its attention cannot be computed on a sharded sequence"

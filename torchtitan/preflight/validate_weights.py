@@ -27,9 +27,7 @@ from torchtitan.checkpoint.input_checks import (
 )
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.models import MODELS, family_for_hf_config, runtime_args
-from torchtitan.models.common.args import mtp_overrides
-from torchtitan.models.common.moe import moe_overrides
+from torchtitan.models import MODELS, family_for_hf_config, run_args
 
 __all__ = [
     "by_own_config",
@@ -179,10 +177,8 @@ def _run_args(cfg: JobConfig) -> Any:
     """The args the trainer builds (``Trainer._build_model``), the attention backend aside."""
     from torchtitan.data.tokenizer import build_tokenizer
 
-    spec = MODELS[cfg.model.name]
     vocab = build_tokenizer(cfg.model.tokenizer_path).vocab_size  # validated before
-    args = runtime_args(spec, cfg.model.flavor, vocab, cfg.training.seq_len)
-    return mtp_overrides(moe_overrides(args, cfg.model), cfg.model)
+    return run_args(cfg, vocab)  # with the HF folder's honoured settings (models/__init__.py)
 
 
 def _compare_configs(folder: Path, family: str, theirs: Any, cfg: JobConfig) -> None:
