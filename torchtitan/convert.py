@@ -11,6 +11,9 @@ process), filled by DCP or by the streaming Hugging Face import, and written by 
 streaming export (``checkpoint/hf_io.py``; docs/hf_io.md): no rank ever holds more than its
 shard plus one full tensor. After writing, the output is read back the same way and compared
 bitwise (``--no-verify`` skips it). Conversion runs on host memory, so the group is gloo.
+Every argument and input folder is checked first, before any process group or model
+(``preflight/validate_convert.py``): bad input is one line ``config error: <argument> = <value>: ...
+Fix: ...`` and exit 2, and nothing is written.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -38,6 +41,7 @@ from torchtitan.checkpoint.write_errors import CheckpointWriteError, make_step_f
 from torchtitan.config.errors import ConfigError
 from torchtitan.models import MODELS
 from torchtitan.models.spec import FamilySpec
+from torchtitan.preflight import validate_convert as checks
 from torchtitan.tools.fault_injection import Faults
 from torchtitan.tools.torch_compat import single_process_dcp
 
@@ -99,7 +103,8 @@ def _equal_everywhere(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
 def _family(name: str) -> Any:
     spec = MODELS.get(name)
     if spec is None or (isinstance(spec, FamilySpec) and spec.hf is None):
-        raise SystemExit(f"--model {name}: no Hugging Face mapping (families: {sorted(MODELS)})")
+        with_hf = sorted(n for n, s in MODELS.items() if getattr(s, "hf", None) is not None)
+        raise ConfigError("--model", name, "has no Hugging Face mapping", f"use one of {with_hf}")
     return spec
 
 
@@ -124,7 +129,8 @@ def _check_same(ours: Shapes, theirs: Shapes, what: str) -> None:
     for name in sorted(set(ours) | set(theirs)):
         a, b = ours.get(name, (None,))[0], theirs.get(name, (None,))[0]
         if a != b:
-            raise SystemExit(f"{what}: {name} is {b} there, {a} in the model (wrong --flavor?)")
+            rule = f"{name} is {b} there, {a} in the model"
+            raise ConfigError("checkpoint", what, rule, "give the --flavor it was trained as")
 
 
 def _dcp_read(sd: dict[str, torch.Tensor], checkpoint: Path) -> None:
@@ -192,7 +198,7 @@ def from_hf(
     assert spec.hf is not None
     args = spec.hf.config.args_from_hf(json.loads((folder / "config.json").read_text()))
     if flavor is not None:
-        _check_flavor(args, spec, flavor, folder)
+        checks.check_flavor(args, spec, flavor, folder)
     source = hf_io.SafetensorsFolder(folder)
     adapter = spec.state_dict_adapter(args)
     assert adapter is not None
@@ -231,23 +237,16 @@ def from_hf(
     return path
 
 
-def _check_flavor(args: Any, spec: FamilySpec, flavor: str, folder: Path) -> None:
-    if flavor not in spec.flavors:
-        raise SystemExit(f"--flavor {flavor}: not a {spec.name} flavor ({sorted(spec.flavors)})")
-    want = dataclasses.replace(
-        spec.flavors[flavor], vocab_size=args.vocab_size, max_seq_len=args.max_seq_len
-    )
-    differ = [
-        f"{f.name}={getattr(args, f.name)!r} (flavor: {getattr(want, f.name)!r})"
-        for f in dataclasses.fields(args)
-        if getattr(args, f.name) != getattr(want, f.name) and f.name != "attn_backend"
-    ]
-    if differ:
-        raise SystemExit(f"{folder}/config.json is not --flavor {flavor}: {', '.join(differ)}")
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, exit 2 (docs/errors.md)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {self.prog}: {message}. Fix: see {self.prog} --help.", file=sys.stderr)
+        sys.exit(2)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m torchtitan.convert",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -276,20 +275,16 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[a.dtype] if a.dtype else None
     try:
         if a.command == "to-hf":
-            spec = _family(a.model)
-            if a.flavor not in spec.flavors:
-                raise SystemExit(f"--flavor {a.flavor}: not a {a.model} flavor")
-            args = spec.flavors[a.flavor]
-            if a.max_seq_len is not None:
-                args = dataclasses.replace(args, max_seq_len=a.max_seq_len)
-            shard = int(a.max_shard_gb * 1e9)
+            args, shard = checks.check_to_hf(a)  # before any process group or model
             n = to_hf(a.checkpoint, a.output, a.model, args, dtype, shard, a.verify)
             _say(f"wrote {n} tensors to {a.output}")
         else:
+            checks.check_from_hf(a)
             path = from_hf(a.hf_folder, a.output, a.model, a.step, a.flavor, dtype, a.verify)
             _say(f"wrote {path}")
-    except ConfigError as e:  # a config.json key we cannot compute (docs/hf_io.md): exit 2
-        print(f"config error: {e}", file=sys.stderr)
+    except ConfigError as e:  # bad input, a config.json key we cannot compute: exit 2
+        if os.environ.get("RANK", "0") == "0":  # one line (rank 0's under torchrun)
+            print(f"config error: {e}", file=sys.stderr)
         return 2
     except CheckpointWriteError as e:  # a full disk or no permission: one line, exit 4
         print(f"error: {e}", file=sys.stderr)

@@ -316,6 +316,8 @@ class Trainer:
         self.step = 0
         self.checkpointer: CheckpointManager | None = None
         if not self.cfg.checkpoint.enable:
+            if self.cfg.checkpoint.initial_load_path:  # honoured; nothing is saved
+                self._load_initial_only()
             return
         self.checkpointer = build_checkpointer(
             self.cfg,
@@ -333,6 +335,30 @@ class Trainer:
             self.step = resumed["step"]
         if not self.checkpointer.model_loaded:  # initialised only when nothing was loaded
             init_model_weights(self.cfg, self.model_parts, self.device)
+
+    def _load_initial_only(self) -> None:
+        """checkpoint.initial_load_path with checkpointing off: the weights (the model was
+        initialised already: defers_init is off) are replaced by the folder's."""
+        loader = build_checkpointer(
+            self.cfg,
+            self.spec,
+            self.model_args,
+            self.model_parts,
+            self.optimizer,
+            self.lr_scheduler,
+            self.dataloader,
+        )
+        try:
+            resumed = loader.load_initial()
+        finally:
+            loader.close()
+        if resumed is not None:
+            self.step = resumed["step"]
+        logger.info(
+            f"checkpoint: the run starts from the weights of {self.cfg.checkpoint.initial_load_path}"
+            " (checkpoint.enable is off: no checkpoint will be saved)"
+        )
+        startup.mark("checkpoint load")
 
     def _quantize_base(self) -> None:
         if self.cfg.lora.enable and self.cfg.lora.quantize_base == "nf4":

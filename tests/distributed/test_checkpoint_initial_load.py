@@ -57,3 +57,33 @@ def test_initial_weights_from_checkpoint_and_from_hf(tmp_path: Path) -> None:
         argv = [*base, "--job.dump_folder", str(dump), *extra]
         for bad in run_ranks(_trainer_weights, 2, argv, expected):
             assert not bad, f"{extra}: weights differ from the given ones: {bad[:5]}"
+
+
+def test_initial_load_path_is_used_with_checkpointing_off(tmp_path: Path) -> None:
+    """checkpoint.initial_load_path (DCP, and a Hugging Face folder) with checkpoint.enable off
+    (the debug config's default): the first step's loss is the loaded model's (that of the same
+    load with checkpointing on), not a random init's; and nothing is saved."""
+    from tests.parity import losses, train_metrics
+
+    args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], max_seq_len=64)
+    model = Transformer(args)
+    model.init_weights(seed=123)  # type: ignore[operator]
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    folder = write_model_weights(tmp_path / "seed", 0, weights)
+    load("scripts/convert_to_hf.py", "to_hf").convert(
+        folder, tmp_path / "hf", args, torch.float32, shard_mb=4096
+    )
+    dcp = ["--checkpoint.initial_load_path", str(folder)]
+    hf = ["--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf"]
+    runs = {
+        "random": [],
+        "dcp, saving on": [*dcp, "--checkpoint.enable"],
+        "dcp": dcp,
+        "hf": hf,
+    }
+    dumps = {k: tmp_path / f"run_{i}" for i, k in enumerate(runs)}
+    loss = {k: losses(train_metrics(v, 1, dumps[k], steps=1))[0] for k, v in runs.items()}
+    assert abs(loss["random"] - loss["dcp, saving on"]) > 1e-3, loss
+    assert loss["dcp"] == loss["dcp, saving on"], loss
+    assert abs(loss["hf"] - loss["dcp"]) <= 1e-5 * abs(loss["dcp"]), loss
+    assert not (dumps["dcp"] / "checkpoint").exists() and not (dumps["hf"] / "checkpoint").exists()

@@ -114,9 +114,13 @@ def test_trainer_refuses_unsafe_resumes_and_crafted_checkpoints(tmp_path: Path) 
     assert out["changed"] == "ok", out["changed"]
     (warning,) = out["ignored_warning"]
     assert "optimizer.lr = 0.5" in warning and "debug.seed = 11" in warning, warning
+    # A resume meets it while loading; an initial_load_path the preflight already refuses
+    # (preflight/validate_weights.py), before any process group.
+    assert out["evil_resume"].startswith("rc 2: checkpoint error:"), out["evil_resume"]
+    initial = "rc 2: config error: checkpoint.initial_load_path = "
+    assert out["evil_initial"].startswith(initial), out["evil_initial"]
     for key in ("evil_resume", "evil_initial"):
-        assert out[key].startswith("rc 2: checkpoint error:"), (key, out[key])
-        assert "not one of DCP's metadata types" in out[key]
+        assert "not one of DCP's metadata types" in out[key], (key, out[key])
     assert not out["marker"], "code from a crafted .metadata ran"
     assert out["all_corrupt"].startswith("rc 2: checkpoint error:"), out["all_corrupt"]
     assert "every checkpoint under" in out["all_corrupt"] and out["untouched"]

@@ -38,7 +38,7 @@ def test_dcp_to_hf_to_dcp_is_bit_identical(case: str, tmp_path: Path, capsys) ->
     ]
 
 
-def test_dtype_and_flavor_checks(tmp_path: Path) -> None:
+def test_dtype_and_flavor_checks(tmp_path: Path, capsys) -> None:
     family, args = CASES["llama3"]
     sd = {k: v.detach().clone() for k, v in model_of("llama3", seed=1).state_dict().items()}
     step = write_model_weights(tmp_path / "ck", 0, sd)
@@ -47,22 +47,15 @@ def test_dtype_and_flavor_checks(tmp_path: Path) -> None:
     assert config["torch_dtype"] == "bfloat16" and all(
         t.dtype == torch.bfloat16 for t in hf.values()
     )
-    with pytest.raises(SystemExit, match="is not --flavor debugmodel"):
-        convert.main(
-            [
-                "from-hf",
-                str(tmp_path / "hf"),
-                str(tmp_path / "x"),
-                "--model",
-                family,
-                "--flavor",
-                "debugmodel",
-            ]
-        )
-    with pytest.raises(SystemExit, match="wrong --flavor"):
-        convert.main(
-            ["to-hf", str(step), str(tmp_path / "y"), "--model", family, "--flavor", "debugmodel"]
-        )
+    argv = ["from-hf", str(tmp_path / "hf"), str(tmp_path / "x"), "--model", family]
+    assert convert.main([*argv, "--flavor", "debugmodel"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not --flavor debugmodel" in err[0], err
+    argv = ["to-hf", str(step), str(tmp_path / "y"), "--model", family, "--flavor", "debugmodel"]
+    assert convert.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a llama3 debugmodel checkpoint" in err[0], err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_an_output_that_cannot_be_created_is_one_line_and_exit_4(tmp_path: Path, capsys) -> None:

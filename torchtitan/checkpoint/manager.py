@@ -224,6 +224,10 @@ class CheckpointManager:
         if not self.initial_load_path:
             logger.info(f"checkpoint: none found under {self.root}; starting from step 0")
             return None
+        return self.load_initial()
+
+    def load_initial(self) -> dict[str, int] | None:
+        """``initial_load_path``'s weights (all, without initial_load_model_only)."""
         if self.initial_load_in_hf:
             self._load_hf(Path(self.initial_load_path))
             return None

@@ -123,8 +123,10 @@ def verify(folder: Path, checksums: bool = True) -> str | None:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-    except (ValueError, KeyError) as e:
-        return f"unreadable manifest ({e})"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"unreadable manifest ({e!r})"
+    if not isinstance(files, dict) or not all(_entry_ok(k, v) for k, v in files.items()):
+        return "unreadable manifest (its files are not {name: {size, sha256}})"
     if ".metadata" not in files:
         return "the manifest lists no .metadata file"
     for name, want in files.items():
@@ -140,6 +142,18 @@ def verify(folder: Path, checksums: bool = True) -> str | None:
             if got != want["sha256"]:
                 return f"file {name} fails its SHA-256 check"
     return None
+
+
+def _entry_ok(name: str, entry: object) -> bool:
+    """A manifest entry: a plain file name of this folder, its size and SHA-256."""
+    return (
+        bool(name)
+        and name not in (".", "..")
+        and "/" not in name
+        and isinstance(entry, dict)
+        and type(entry.get("size")) is int
+        and isinstance(entry.get("sha256"), str)
+    )
 
 
 def kind(folder: Path) -> str:

@@ -37,7 +37,7 @@ class Checkpoint:
     """Parts of a checkpoint not to load: any of model, optimizer, lr_scheduler, dataloader, train_state (then training restarts at step 0), rng."""
 
     initial_load_path: str = ""
-    """When the checkpoint folder holds no checkpoint yet, load initial weights from this step-N folder (e.g. made by scripts/convert_from_hf.py), or from a Hugging Face folder with initial_load_in_hf; empty starts from random weights."""
+    """When the checkpoint folder holds no checkpoint yet (or checkpoint.enable is off), load initial weights from this step-N folder (e.g. made by scripts/convert_from_hf.py), or from a Hugging Face folder with initial_load_in_hf; empty starts from random weights."""
 
     initial_load_model_only: bool = True
     """From initial_load_path, load only the model weights (training starts at step 0); false loads everything it holds, except exclude_from_loading."""

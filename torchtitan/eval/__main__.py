@@ -16,21 +16,18 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from torchtitan.checkpoint import storage as io
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import asked_for_help
-from torchtitan.data.tokenizer import build_tokenizer
-from torchtitan.distributed import utils as dist_utils
-from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.eval.harness import Evaluator, make_lm
-from torchtitan.eval.loading import build_eval_model, load_weights
-from torchtitan.metrics.writers import build_job_writers
 from torchtitan.preflight.validate import load_config
 from torchtitan.preflight.validate_eval import validate_eval
-from torchtitan.tools.logging import init_logger, logger
-from torchtitan.train import config_error
+from torchtitan.preflight.validate_weights import validate_eval_checkpoint
+
+if TYPE_CHECKING:
+    from torchtitan.eval.harness import Evaluator
 
 
 def checkpoint_path(cfg: JobConfig) -> Path:
@@ -43,6 +40,16 @@ def checkpoint_path(cfg: JobConfig) -> Path:
 def evaluate(cfg: JobConfig, log_samples: bool = False) -> Evaluator:
     """Load, split, evaluate, report; returns the evaluator (``last_results``: lm-eval's result
     dict, the same on every rank; with ``log_samples`` it holds every request's answer)."""
+    # Imported here, after the config and the checkpoint were validated: a config error
+    # appears in the time it takes to import torch (docs/evaluation.md).
+    from torchtitan.data.tokenizer import build_tokenizer
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.eval.harness import Evaluator, make_lm
+    from torchtitan.eval.loading import build_eval_model, load_weights
+    from torchtitan.metrics.writers import build_job_writers
+    from torchtitan.tools.logging import init_logger, logger
+
     device, world, rank = dist_utils.init_distributed(cfg.comm.init_timeout_seconds)
     tp = cfg.parallelism.tensor_parallel_degree
     dims = ParallelDims(dp_replicate=world // tp, dp_shard=1, cp=1, tp=tp, pp=1, world_size=world)
@@ -97,20 +104,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         cfg = load_config(argv)
+        # the checkpoint before the tasks (resolving them indexes lm-eval's task folders)
+        validate_eval_checkpoint(cfg, checkpoint_path(cfg))
         validate_eval(cfg, standalone=True)
-        path = checkpoint_path(cfg)
-        if not path.exists():
-            raise ConfigError(
-                "eval.checkpoint",
-                str(path),
-                "does not exist",
-                "name a step-N folder, a checkpoint root or a Hugging Face folder",
-            )
         evaluate(cfg)
-    except ConfigError as e:
-        return config_error(e)
+    except ConfigError as e:  # one line, exit 2 (docs/errors.md)
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     finally:
-        dist_utils.destroy_distributed()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -5,7 +5,9 @@ built for any family of ``MODELS`` and split with the trainer's parallelize path
   is used, a final ``export`` included); the shape comes from ``model.name``/``model.flavor``,
   the vocabulary size from the weights.
 - Hugging Face: ``config.json`` + ``*.safetensors``; the family comes from ``model_type``, the
-  names are converted by the family's ``state_dict_adapter(args).from_hf``.
+  tensors the family reads are streamed in by its ``state_dict_adapter(args)``
+  (``checkpoint/hf_io.py``). ``python -m torchtitan.eval`` checks the folder first
+  (``preflight/validate_weights.py``: one line, exit 2).
 
 Every rank reads the full weights on the host and keeps its tensor-parallel shards. The model is
 parallelized by ``distributed.parallelize`` with the tensor-parallel degree only (data-parallel
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchtitan.checkpoint import hf_io
 from torchtitan.checkpoint import storage as io
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
@@ -43,21 +47,7 @@ def load_weights(
         args = MODELS["hf"].flavors[str(path)]
         return "hf", args, MODELS["hf"].state_dict_adapter(args).from_hf(hf_sd)  # type: ignore[union-attr]
     if hf:
-        config, hf_sd = io.read_hf_folder(path)
-        try:
-            family, args = family_for_hf_config(config)
-        except ConfigError:  # a config.json key we cannot compute (docs/hf_io.md): exit 2
-            raise
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-        adapter = MODELS[family].state_dict_adapter(args)
-        assert adapter is not None
-        fit = getattr(adapter, "args_for_weights", None)  # modules config.json declares that
-        if fit is not None:  # the weights lack (DeepSeek-V3's MTP layers): left out, logged
-            args = fit(hf_sd)
-            adapter = MODELS[family].state_dict_adapter(args)
-            assert adapter is not None
-        return family, args, adapter.from_hf(hf_sd)
+        return _load_hf(path)
     if not (path / ".metadata").is_file():  # the checkpoint root: the newest valid step
         found = io.find_checkpoint(path, skip_exports=False)
         if found is None:
@@ -68,6 +58,31 @@ def load_weights(
     embedding = f"{MODELS[model].parallel_plan(base).embedding}.weight"
     args = dataclasses.replace(base, vocab_size=sd[embedding].shape[0])
     return model, args, sd
+
+
+def _load_hf(path: Path) -> tuple[str, Any, dict[str, torch.Tensor]]:
+    """A Hugging Face folder streamed into our names: only the tensors the family reads (extra
+    ones, e.g. a cached RoPE table, are left), in the files' dtype."""
+    try:
+        family, args = family_for_hf_config(json.loads((path / "config.json").read_text()))
+    except ConfigError:  # a config.json key we cannot compute (docs/hf_io.md): exit 2
+        raise
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    spec = MODELS[family]
+    adapter: Any = spec.state_dict_adapter(args)
+    assert adapter is not None
+    fit = getattr(adapter, "args_for_weights", None)  # modules config.json declares that
+    if fit is not None:  # the weights lack (DeepSeek-V3's MTP layers): left out, logged
+        args = fit(hf_io.SafetensorsFolder(path).names())
+        adapter = spec.state_dict_adapter(args)
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in spec.build(args).state_dict().items()}
+    first = adapter.to_hf_one("tok_embeddings.weight", torch.empty(0, device="meta"))[0][0]
+    dtype = hf_io.SafetensorsFolder(path).dtype(first)
+    sd = {k: torch.empty(shape, dtype=dtype) for k, shape in shapes.items()}
+    hf_io.load_hf_state_dict(sd, adapter, path)
+    return family, args, sd
 
 
 def _tp_only(dims: ParallelDims) -> ParallelDims:

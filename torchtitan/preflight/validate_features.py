@@ -16,6 +16,7 @@ from torchtitan.distributed.float8 import float8_unsupported_reason
 from torchtitan.distributed.pipeline_plan import SCHEDULES, normalize_schedule_name
 from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS, flavor_args, hf_config_mismatch
+from torchtitan.preflight.validate_weights import validate_hf_family
 
 
 def validate_speed_features(cfg: JobConfig) -> None:
@@ -208,6 +209,7 @@ def validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
                 "point it at a Hugging Face model folder",
             )
         if spec is not None and flavor is not None:
+            validate_hf_family(cfg)  # readable, a family we train, the run's (validate_weights)
             _check_hf_config_json(Path(ck.initial_load_path), cfg.model.name, flavor_args(cfg))
     if ck.async_mode == "async_with_pinned_mem" and device_type() != "cuda":
         raise ConfigError(

@@ -21,6 +21,7 @@ from torchtitan.lora.peft_io import AdapterMismatch, check_adapters
 from torchtitan.lora.qlora import nf4_shard_problem
 from torchtitan.models import MODELS, flavor_args
 from torchtitan.models.common.moe_experts import StackedExperts
+from torchtitan.preflight.validate_weights import validate_peft_folder
 
 __all__ = ["validate_lora"]
 
@@ -55,6 +56,7 @@ def validate_lora(cfg: JobConfig, dims: ParallelDims) -> None:
             "must be a PEFT folder holding adapter_config.json",
             "point it at a folder written by scripts/export_lora.py or PEFT's save_pretrained",
         )
+    validate_peft_folder(cfg)  # its files intact, before they are read (validate_weights.py)
     if lo.adapter_targets == "from_adapter" and (folder is None or lo.target_modules):
         raise ConfigError(
             "lora.adapter_targets",

@@ -1,6 +1,7 @@
 """Paths checked before launch (part of ``validate_config``): the dump folder can be created and
 written, the tokenizer decodes, dataset files exist and their first record decodes, and the
-checkpoint a run is told to load exists. Each failure is a ConfigError naming the field."""
+checkpoint a run is told to load exists, and the weights it starts from (``initial_load_path``,
+``lora.adapter_path``) fit its model (``validate_weights.py``). Each failure is a ConfigError naming the field."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torchtitan.data.builder import DATASET_KINDS
 from torchtitan.data.checks import check_files
 from torchtitan.data.sources import Fields, local_source
 from torchtitan.data.tokenizer import _TRAIN_HINT, build_tokenizer
+from torchtitan.preflight.validate_weights import validate_initial_load
 
 
 def validate_paths(cfg: JobConfig) -> None:
@@ -46,6 +48,8 @@ def validate_paths(cfg: JobConfig) -> None:
                 f"{steps or 'none'})",
                 "use one of those steps, or -1 for the newest valid one",
             )
+    # the weights a run starts from, against the run's model (validate_weights.py)
+    validate_initial_load(cfg)  # lora.adapter_path's files: validate_lora
 
 
 def validate_dump_folder(

@@ -158,7 +158,7 @@ RULES: dict[str, Num] = {
     "validation.steps": count(special=AUTO, fix="use e.g. 10, or -1 for the whole split"),
     # eval (tasks and layouts: preflight/validate_eval.py)
     "eval.freq": count(0, fix="use e.g. 500, or 0 for off"),
-    "eval.limit": count(0, special=AUTO, fix="use e.g. 100, or -1 for every document"),
+    "eval.limit": count(1, special=AUTO, fix="use e.g. 100, or -1 for every document"),
     "eval.num_fewshot": count(0, special=AUTO, fix="use e.g. 5, or -1 for the task's own"),
     "eval.batch_size": count(fix="use e.g. 8"),
     "eval.max_gen_tokens": count(fix="use e.g. 256"),
