@@ -73,9 +73,13 @@ def _one_line_or_ok(rc: int, err: str, entry: str = "") -> None:
 
 
 def _load_only(cfg: Any, log_samples: bool = False) -> None:
-    """``evaluate`` up to its weights: what the checks accepted must load."""
+    """``evaluate`` up to its weights (its own calls, one rank): what the checks accepted must
+    load."""
+    import torch
+
+    from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.eval.__main__ import checkpoint_path
-    from torchtitan.eval.loading import load_weights
+    from torchtitan.eval.loading import checkpoint_args, load_eval_model
 
     path = checkpoint_path(cfg)
     hf = (path / "config.json").is_file()
@@ -85,7 +89,10 @@ def _load_only(cfg: Any, log_samples: bool = False) -> None:
         found = io.find_checkpoint(path, skip_exports=False)
         assert found is not None
         path = found.path
-    load_weights(path, hf, cfg.model.name, cfg.model.flavor)
+    family, args = checkpoint_args(path, hf, cfg.model.name, cfg.model.flavor)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
+    device = torch.device("cpu")
+    load_eval_model(path, hf, family, args, dims, cfg, device, torch.float32)
 
 
 def _case(

@@ -46,7 +46,7 @@ def evaluate(cfg: JobConfig, log_samples: bool = False) -> Evaluator:
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.parallel_dims import ParallelDims
     from torchtitan.eval.harness import Evaluator, make_lm
-    from torchtitan.eval.loading import build_eval_model, load_weights
+    from torchtitan.eval.loading import checkpoint_args, load_eval_model
     from torchtitan.metrics.writers import build_job_writers
     from torchtitan.tools.logging import init_logger, logger
 
@@ -61,7 +61,7 @@ def evaluate(cfg: JobConfig, log_samples: bool = False) -> Evaluator:
     if not hf and not (path / ".metadata").is_file():  # a checkpoint root: its newest step
         found = io.find_checkpoint(path, skip_exports=False)
         path = found.path if found is not None else path
-    family, args, sd = load_weights(path, hf, cfg.model.name, cfg.model.flavor)
+    family, args = checkpoint_args(path, hf, cfg.model.name, cfg.model.flavor)
     if not hf:  # the trainer's RoPE table covers training.seq_len
         args = dataclasses.replace(args, max_seq_len=cfg.training.seq_len)
     if tokenizer.vocab_size > args.vocab_size:
@@ -72,8 +72,7 @@ def evaluate(cfg: JobConfig, log_samples: bool = False) -> Evaluator:
             "use the tokenizer the checkpoint was trained with",
         )
     dtype = dist_utils.resolve_dtype(cfg.training.mixed_precision_param, device.type)
-    model = build_eval_model(family, args, sd, dims, cfg, device, dtype)
-    del sd
+    model = load_eval_model(path, hf, family, args, dims, cfg, device, dtype)
     dp = dims.get_mesh("dp")
     lm = make_lm(
         model,

@@ -9,10 +9,14 @@ built for any family of ``MODELS`` and split with the trainer's parallelize path
   (``checkpoint/hf_io.py``). ``python -m torchtitan.eval`` checks the folder first
   (``preflight/validate_weights.py``: one line, exit 2).
 
-Every rank reads the full weights on the host and keeps its tensor-parallel shards. The model is
-parallelized by ``distributed.parallelize`` with the tensor-parallel degree only (data-parallel
-ranks hold whole replicas and evaluate different requests; no FSDP or DDP wrapper), logits
-gathered on every rank.
+``python -m torchtitan.eval`` (:func:`checkpoint_args`, :func:`load_eval_model`) reads no weight
+before the model is built and split: each rank then streams only the weights it holds (its
+tensor-parallel shards) into the split model, from a Hugging Face folder as training's import
+does (``checkpoint/hf_io.py``: the rank's shard plus one box in host memory) or from a DCP
+folder by DCP's sharded load. :func:`load_weights` (the whole state dict, one process) serves
+``scripts/generate.py`` and the tests. The model is parallelized by ``distributed.parallelize``
+with the tensor-parallel degree only (data-parallel ranks hold whole replicas and evaluate
+different requests; no FSDP or DDP wrapper), logits gathered on every rank.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.models import MODELS, family_for_hf_config
 
-__all__ = ["build_eval_model", "load_weights"]
+__all__ = ["build_eval_model", "checkpoint_args", "load_eval_model", "load_weights"]
 
 
 def load_weights(
@@ -63,19 +67,9 @@ def load_weights(
 def _load_hf(path: Path) -> tuple[str, Any, dict[str, torch.Tensor]]:
     """A Hugging Face folder streamed into our names: only the tensors the family reads (extra
     ones, e.g. a cached RoPE table, are left), in the files' dtype."""
-    try:
-        family, args = family_for_hf_config(json.loads((path / "config.json").read_text()))
-    except ConfigError:  # a config.json key we cannot compute (docs/hf_io.md): exit 2
-        raise
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    family, args = _hf_args(path)
     spec = MODELS[family]
     adapter: Any = spec.state_dict_adapter(args)
-    assert adapter is not None
-    fit = getattr(adapter, "args_for_weights", None)  # modules config.json declares that
-    if fit is not None:  # the weights lack (DeepSeek-V3's MTP layers): left out, logged
-        args = fit(hf_io.SafetensorsFolder(path).names())
-        adapter = spec.state_dict_adapter(args)
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in spec.build(args).state_dict().items()}
     first = adapter.to_hf_one("tok_embeddings.weight", torch.empty(0, device="meta"))[0][0]
@@ -83,6 +77,83 @@ def _load_hf(path: Path) -> tuple[str, Any, dict[str, torch.Tensor]]:
     sd = {k: torch.empty(shape, dtype=dtype) for k, shape in shapes.items()}
     hf_io.load_hf_state_dict(sd, adapter, path)
     return family, args, sd
+
+
+def _hf_args(path: Path) -> tuple[str, Any]:
+    """(family, args) of a Hugging Face folder from its ``config.json``, fitted to the layers
+    its weights hold (DeepSeek-V3's MTP layers a transformers save lacks: left out, logged)."""
+    try:
+        family, args = family_for_hf_config(json.loads((path / "config.json").read_text()))
+    except ConfigError:  # a config.json key we cannot compute (docs/hf_io.md): exit 2
+        raise
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    adapter: Any = MODELS[family].state_dict_adapter(args)
+    assert adapter is not None
+    fit = getattr(adapter, "args_for_weights", None)  # modules config.json declares that
+    if fit is not None:  # the weights lack (DeepSeek-V3's MTP layers): left out, logged
+        args = fit(hf_io.SafetensorsFolder(path).names())
+    return family, args
+
+
+def checkpoint_args(path: Path, hf: bool, model: str, flavor: str) -> tuple[str, Any]:
+    """(family, model args) of a checkpoint, reading no weights: a Hugging Face folder's
+    ``config.json`` (and its tensor names), or a DCP folder's metadata (the vocabulary is its
+    embedding's row count)."""
+    if hf and model == "hf":  # any transformers causal LM, by its own config (docs/hf_models.md)
+        return "hf", MODELS["hf"].flavors[str(path)]
+    if hf:
+        return _hf_args(path)
+    from torchtitan.checkpoint.trust import SafeFileSystemReader
+
+    base = MODELS[model].flavors[flavor]
+    embedding = f"model.{MODELS[model].parallel_plan(base).embedding}.weight"
+    meta: Any = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata[embedding]
+    return model, dataclasses.replace(base, vocab_size=meta.size[0])
+
+
+def load_eval_model(
+    path: Path,
+    hf: bool,
+    family: str,
+    args: Any,
+    dims: ParallelDims,
+    cfg: JobConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> nn.Module:
+    """The checkpoint's model in eval mode, split over ``dims``' tp axis, each rank reading only
+    the weights it holds straight into its shards."""
+    spec = MODELS[family]
+    model = _split_on_meta(family, args, dims, cfg, dtype)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        if hf:
+            hf_io.load_hf_streaming([model], spec.state_dict_adapter(args), path)
+        else:
+            _load_dcp_model(model, path)
+    return _finish(model, device, dtype)
+
+
+def _load_dcp_model(model: nn.Module, path: Path) -> None:
+    """The ``model`` entries of a DCP step folder into ``model``'s (possibly sharded) tensors:
+    DCP reads only each rank's boxes."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from torchtitan.checkpoint.trust import SafeFileSystemReader, SafeLoadPlanner
+    from torchtitan.tools.torch_compat import single_process_dcp
+
+    sd = get_model_state_dict(model)
+    with single_process_dcp():
+        dcp.load(
+            {"model": sd},
+            storage_reader=SafeFileSystemReader(str(path)),
+            planner=SafeLoadPlanner(),
+            no_dist=not dist.is_initialized(),
+        )
+    set_model_state_dict(model, sd)
 
 
 def _tp_only(dims: ParallelDims) -> ParallelDims:
@@ -103,6 +174,14 @@ def build_eval_model(
     dtype: torch.dtype,
 ) -> nn.Module:
     """The model with ``sd`` loaded, in eval mode, split over ``dims``' tp axis."""
+    model = _split_on_meta(family, args, dims, cfg, dtype)
+    return materialize(model, sd, device, dtype, sharded=dims.tp_enabled)
+
+
+def _split_on_meta(
+    family: str, args: Any, dims: ParallelDims, cfg: JobConfig, dtype: torch.dtype
+) -> nn.Module:
+    """The model on ``meta``, split over ``dims``' tp axis (full logits on every rank)."""
     spec = MODELS[family]
     with torch.device("meta"):
         model = spec.build(args)
@@ -113,7 +192,7 @@ def build_eval_model(
         eval_cfg.activation_checkpoint.mode = "none"
         eval_cfg.compile.enable = False
         parallelize(model, spec.parallel_plan(args), _tp_only(dims), eval_cfg, dtype, dtype)
-    return materialize(model, sd, device, dtype, sharded=dims.tp_enabled)
+    return model
 
 
 def materialize(
@@ -137,6 +216,11 @@ def materialize(
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True))
     else:
         model.load_state_dict(sd, strict=True)
+    return _finish(model, device, dtype)
+
+
+def _finish(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Buffers computed on ``device``, cast to ``dtype``, eval mode."""
     model.init_buffers(device)  # type: ignore[operator]
     with warnings.catch_warnings():
         # nn.Module.to casts the complex RoPE table too; Transformer._apply recomputes it.
