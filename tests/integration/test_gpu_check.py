@@ -41,8 +41,9 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
         if line[30:37].strip() in ("PASS", "FAIL")
     }
     ladders = ["ladder eager", "ladder qwen3_moe", "ladder deepseek_v3", "ladder gpt_oss"]
+    ladders += ["ladder qwen3_5", "ladder qwen3_5_moe"]
     expected = ["environment", "pytest -m gpu", *ladders, "grouped GEMM vs loop"]
-    expected += ["train 8 steps", "resume to 10"]
+    expected += ["delta rule fla vs chunked", "train 8 steps", "resume to 10"]
     assert list(rows) == [*expected, "generate"], list(rows)
     assert all(cols[0] == "PASS" for cols in rows.values()), rows
     assert "3 background saves committed" in summary
