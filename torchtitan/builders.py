@@ -123,6 +123,7 @@ def build_meta_model(
             enable_fsdp_float8_all_gather=f8.enable_fsdp_float8_all_gather and dims.fsdp_enabled,
             emulate=f8.emulate,
             device_type=device.type,
+            head=spec.parallel_plan(args).head,
         )
     if cfg.lora.enable:  # adapters before parallelize, so its plans see them (docs/lora.md)
         adapted = apply_lora(model, with_targets(cfg.lora, spec, args))

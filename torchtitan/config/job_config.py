@@ -77,6 +77,9 @@ class Model:
     mtp_loss_weight: float = -1.0
     """Multi-token prediction: weight lambda of the MTP loss lambda / D * sum_k CE_k added to the main loss (0 trains nothing through it); -1 keeps the flavor's."""
 
+    hf_trust_remote_code: bool = False
+    """hf family: build a folder whose config.json names remote code (``auto_map``) through transformers' ``trust_remote_code`` path. RISK: the folder's Python files then run with this process's rights (they can read, write and send anything it can); turn it on only for a folder whose code you have read or trust. Off, such a folder is refused (docs/hf_models.md). Other families refuse it on."""
+
 
 @dataclass
 class MixtureSource:

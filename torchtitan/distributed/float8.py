@@ -9,7 +9,8 @@ Which linears are converted:
 
 * never one whose name contains an entry of ``filter_fqns`` (default ``["output"]``: the output
   projection is the most sensitive to precision and its wide vocab matmul is kept in high
-  precision);
+  precision). The entry ``output`` also names the model's head under its own name (``head``:
+  its parallel plan's, ``lm_head`` in the hf family);
 * never one whose dimensions are not multiples of 16 (float8 GEMM kernels require it);
 * with ``auto_filter_small_kn``, not those too small for float8 to pay for its casts (torchao's
   recipe-specific thresholds, measured on H100);
@@ -111,10 +112,13 @@ def apply_float8(
     enable_fsdp_float8_all_gather: bool = False,
     emulate: bool = False,
     device_type: str = "cuda",
+    head: str = "output",
 ) -> list[str]:
     """Swap eligible linears of ``model`` (on meta) for torchao ``Float8Linear`` in place.
 
     ``device_type`` is where the model will run: on ``cpu`` the matmuls are always emulated.
+    ``head`` is the output projection's path (``ModelParallelPlan.head``): the ``filter_fqns``
+    entry ``output`` keeps it in high precision too.
     Returns the names of the converted modules (empty when the filters left none: a warning
     then says why float8 will have no effect).
     """
@@ -136,6 +140,9 @@ def apply_float8(
     config = dataclasses.replace(
         config, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather, emulate=emulate
     )
+    filter_fqns = list(filter_fqns)
+    if "output" in filter_fqns and head not in filter_fqns:
+        filter_fqns.append(head)
     keep = float8_module_filter(filter_fqns, recipe_name, auto_filter_small_kn)
     exempt = [f"{n}." for n, m in model.named_modules() if getattr(m, "float8_exempt", False)]
     converted: list[str] = []

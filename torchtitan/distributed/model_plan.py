@@ -66,6 +66,9 @@ class ModelParallelPlan:
     """None: the model cannot run on a sharded sequence."""
     tied_embeddings: bool = False
     """The embedding and output share one weight (pipeline parallel cannot split them)."""
+    head: str = "output"
+    """Path of the output (vocabulary) projection: float8's ``filter_fqns`` entry ``output``
+    names it, so the default keeps it in high precision whatever the family calls it."""
     document_mask: bool = False
     """The forward accepts ``doc_ids=`` (int ``[B, S]``) and then attends only within each
     document (``model.attn_mask_type = "block_causal"``, docs/attention.md); with a CP plan its

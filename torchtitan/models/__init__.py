@@ -124,15 +124,23 @@ def hf_folder_settings(cfg: Any) -> dict[str, Any]:
         raise
     except (KeyError, TypeError, ValueError):
         return {}
-    flavor = spec.flavors[cfg.model.flavor]  # type: ignore[union-attr]
+    flavor = spec.flavors[flavor_of(cfg)]  # type: ignore[union-attr]
     names = [n for n in HONOURED_FIELDS if hasattr(flavor, n) and hasattr(theirs, n)]
     return {n: getattr(theirs, n) for n in names if getattr(theirs, n) != getattr(flavor, n)}
+
+
+def flavor_of(cfg: Any) -> str:
+    """The key ``model.flavor`` looks up in its family's ``flavors``: a family with a
+    ``flavor_key`` (the hf family: it carries ``model.hf_trust_remote_code``) builds it from
+    the model section, the others take ``model.flavor`` as it is."""
+    key = getattr(MODELS.get(cfg.model.name), "flavor_key", None)
+    return key(cfg.model) if callable(key) else cfg.model.flavor  # type: ignore[no-any-return]
 
 
 def flavor_args(cfg: Any) -> Any:
     """The flavor's args with a Hugging Face folder's settings (:func:`hf_folder_settings`):
     what the preflight's model checks read (the runtime sizes are :func:`run_args`')."""
-    args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
+    args = MODELS[cfg.model.name].flavors[flavor_of(cfg)]
     settings = hf_folder_settings(cfg)
     return dataclasses.replace(args, **settings) if settings else args
 
@@ -143,7 +151,7 @@ def run_args(cfg: Any, vocab_size: int, attn_backend: str | None = None) -> Any:
     (:func:`runtime_args`), a Hugging Face folder's settings, then the ``model.moe_*`` and
     ``model.mtp_*`` overrides."""
     spec = MODELS[cfg.model.name]
-    args = runtime_args(spec, cfg.model.flavor, vocab_size, cfg.training.seq_len, attn_backend)
+    args = runtime_args(spec, flavor_of(cfg), vocab_size, cfg.training.seq_len, attn_backend)
     settings = hf_folder_settings(cfg)
     if settings:
         args = dataclasses.replace(args, **settings)
@@ -156,6 +164,7 @@ __all__ = [
     "check_hf_config",
     "family_for_hf_config",
     "flavor_args",
+    "flavor_of",
     "hf_folder_settings",
     "hf_config_mismatch",
     "model_title",

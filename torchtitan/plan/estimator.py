@@ -36,7 +36,7 @@ from __future__ import annotations
 from torchtitan.config.job_config import JobConfig
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models import MODELS, run_args
+from torchtitan.models import MODELS, flavor_of, run_args
 from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.plan.memory_terms import (
     GIB,
@@ -84,9 +84,7 @@ def model_args_for(cfg: JobConfig, vocab_size: int | None = None) -> ModelArgs:
     this estimator models."""
     spec = MODELS[cfg.model.name]
     vocab = (
-        resolve_vocab_size(cfg, spec.flavors[cfg.model.flavor])
-        if vocab_size is None
-        else vocab_size
+        resolve_vocab_size(cfg, spec.flavors[flavor_of(cfg)]) if vocab_size is None else vocab_size
     )
     shape: ModelArgs = run_args(cfg, vocab)
     return shape

@@ -28,7 +28,7 @@ import torch
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.utils import device_type as detect_device_type
-from torchtitan.models import MODELS
+from torchtitan.models import MODELS, flavor_of
 from torchtitan.plan.estimator import GIB, estimate_memory
 from torchtitan.tools.logging import logger
 
@@ -108,7 +108,7 @@ def _estimable(cfg: JobConfig) -> bool:
     """Whether the estimator models this family's shape; a family that declares another shape
     (a test's toy model) is not checked, and the log says so."""
     spec = MODELS.get(cfg.model.name)
-    args = spec.flavors.get(cfg.model.flavor) if spec is not None else None
+    args = spec.flavors.get(flavor_of(cfg)) if spec is not None else None
     missing = [n for n in _SHAPE if args is not None and not hasattr(args, n)]
     if missing:
         logger.info(

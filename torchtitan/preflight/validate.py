@@ -19,7 +19,7 @@ from torchtitan.distributed.pipeline_plan import (
     plan_from_config,
 )
 from torchtitan.distributed.utils import device_type
-from torchtitan.models import MODELS, flavor_args
+from torchtitan.models import MODELS, flavor_args, flavor_of
 from torchtitan.preflight.validate_chat import validate_chat
 from torchtitan.preflight.validate_data import validate_data
 from torchtitan.preflight.validate_eval import validate_eval
@@ -148,7 +148,14 @@ def _validate_model(cfg: JobConfig) -> None:
             "model.name", cfg.model.name, f"must be one of {list(MODELS)}", "pick a known model"
         )
     spec = MODELS[cfg.model.name]
-    if cfg.model.flavor not in spec.flavors:
+    if cfg.model.hf_trust_remote_code and not hasattr(spec, "flavor_key"):
+        raise ConfigError(
+            "model.hf_trust_remote_code",
+            True,
+            f"only the hf family builds remote code, and model.name is {cfg.model.name}",
+            "turn it off, or use model.name hf",
+        )
+    if flavor_of(cfg) not in spec.flavors:
         raise ConfigError(
             "model.flavor",
             cfg.model.flavor,

@@ -15,7 +15,7 @@ from torchtitan.distributed.activation_checkpoint import parse_selective_option
 from torchtitan.distributed.float8 import float8_unsupported_reason
 from torchtitan.distributed.pipeline_plan import SCHEDULES, normalize_schedule_name
 from torchtitan.distributed.utils import device_type
-from torchtitan.models import MODELS, flavor_args, hf_config_mismatch
+from torchtitan.models import MODELS, flavor_args, flavor_of, hf_config_mismatch
 from torchtitan.preflight.validate_weights import validate_hf_family
 
 
@@ -192,7 +192,7 @@ def validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
                 "set --checkpoint.initial_load_path",
             )
         spec = MODELS.get(cfg.model.name)
-        flavor = spec.flavors.get(cfg.model.flavor) if spec is not None else None
+        flavor = spec.flavors.get(flavor_of(cfg)) if spec is not None else None
         if spec is not None and flavor is not None and spec.state_dict_adapter(flavor) is None:
             raise ConfigError(
                 "checkpoint.initial_load_in_hf",
@@ -269,7 +269,7 @@ def validate_attention(cfg: JobConfig, cp: int) -> None:
     """The attention mask and kernel can run here (docs/attention.md); a family's own kernel
     check (its args' ``device_problem``: Qwen3.5's flash-linear-attention, docs/qwen3_5.md)."""
     m = cfg.model
-    device_problem = getattr(MODELS[m.name].flavors.get(m.flavor), "device_problem", None)
+    device_problem = getattr(MODELS[m.name].flavors.get(flavor_of(cfg)), "device_problem", None)
     if callable(device_problem) and (problem := device_problem(device_type())) is not None:
         raise problem
     block = m.attn_mask_type == "block_causal"

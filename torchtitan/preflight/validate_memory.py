@@ -7,7 +7,7 @@ from __future__ import annotations
 from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.models import MODELS, flavor_args
+from torchtitan.models import MODELS, flavor_args, flavor_of
 
 
 def validate_memory_levers(cfg: JobConfig, world_size: int) -> None:
@@ -59,7 +59,7 @@ def _validate_chunked_loss(cfg: JobConfig) -> None:
     if chunk == 0 or cfg.model.name not in MODELS:
         return
     spec = MODELS[cfg.model.name]
-    if cfg.model.flavor in spec.flavors:
+    if flavor_of(cfg) in spec.flavors:
         plan = spec.parallel_plan(flavor_args(cfg))
         if plan.tensor_parallel.output is None:
             raise ConfigError(

@@ -10,7 +10,7 @@ import torch
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig, OptimizerGroup
-from torchtitan.models import MODELS, flavor_args
+from torchtitan.models import MODELS, flavor_args, flavor_of
 from torchtitan.optim.param_groups import KINDS, MUON_KINDS, param_kinds, resolve, rule_matches
 
 _OPTIMIZERS = ("default", "AdamW", "Muon")
@@ -91,7 +91,7 @@ def _validate_matches(cfg: JobConfig) -> None:
     """Every rule takes some parameter of the whole model (a pipeline stage may hold none of a
     rule's parameters, so the trainer cannot check it on a stage)."""
     spec = MODELS.get(cfg.model.name)
-    if spec is None or cfg.model.flavor not in spec.flavors:
+    if spec is None or flavor_of(cfg) not in spec.flavors:
         return  # the model checks name these fields
     args = flavor_args(cfg)
     with torch.device("meta"):

@@ -27,7 +27,7 @@ from torchtitan.checkpoint.input_checks import (
 )
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
-from torchtitan.models import MODELS, family_for_hf_config, run_args
+from torchtitan.models import MODELS, family_for_hf_config, flavor_of, run_args
 
 __all__ = [
     "by_own_config",
@@ -241,7 +241,7 @@ def validate_initial_load(cfg: JobConfig) -> None:
     check_dcp_folder(path, field, hint, ck.verify_checksums)
     if cfg.lora.enable or by_own_config(cfg.model.name):
         return
-    if cfg.model.flavor not in MODELS[cfg.model.name].flavors:
+    if flavor_of(cfg) not in MODELS[cfg.model.name].flavors:
         return
     run = _run_args(cfg)
     saved = check_dcp_model(path, field, cfg.model.name, cfg.model.flavor, run)
@@ -280,7 +280,7 @@ def validate_eval_checkpoint(cfg: JobConfig, path: Path) -> None:
     check_dcp_folder(path, field, hint)
     if by_own_config(cfg.model.name):
         return
-    if cfg.model.name in MODELS and cfg.model.flavor in MODELS[cfg.model.name].flavors:
+    if cfg.model.name in MODELS and flavor_of(cfg) in MODELS[cfg.model.name].flavors:
         check_dcp_model(path, field, cfg.model.name, cfg.model.flavor)
 
 

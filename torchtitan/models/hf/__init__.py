@@ -11,7 +11,7 @@ from torch import nn
 
 from torchtitan.distributed.model_plan import ModelParallelPlan
 from torchtitan.models.hf.adapter import PassThroughAdapter
-from torchtitan.models.hf.args import HFArgs, HFFlavors
+from torchtitan.models.hf.args import HFArgs, HFFlavors, flavor_key
 from torchtitan.models.hf.model import build_hf_model
 from torchtitan.models.hf.parallel_plan import hf_parallel_plan
 
@@ -39,8 +39,13 @@ class HFSpec:
     )
     """What the memory estimator says of its figures for this family (``plan/rank_memory.py``)."""
 
+    def flavor_key(self, model: Any) -> str:
+        """The ``flavors`` key of the model section: ``model.flavor``, carrying
+        ``model.hf_trust_remote_code`` (``args.py``)."""
+        return flavor_key(model.flavor, bool(model.hf_trust_remote_code))
+
     def build(self, args: HFArgs) -> nn.Module:
-        return build_hf_model(args.config)
+        return build_hf_model(args.config, trust_remote_code=args.trust_remote_code)
 
     def parallel_plan(self, args: HFArgs) -> ModelParallelPlan:
         return hf_parallel_plan(args)

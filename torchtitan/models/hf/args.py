@@ -17,8 +17,20 @@ from typing import Any
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.hf.model import meta_model
+from torchtitan.tools.logging import logger
 
 FIELD = "model.flavor"
+TRUST_FIELD = "model.hf_trust_remote_code"
+
+
+class TrustedPath(str):
+    """A flavor key (the path) that opts into the folder's remote code: what
+    ``model.hf_trust_remote_code`` turns ``model.flavor`` into (:func:`flavor_key`)."""
+
+
+def flavor_key(flavor: str, trust_remote_code: bool) -> str:
+    """The ``flavors`` key of ``flavor``: a :class:`TrustedPath` when the user opted in."""
+    return TrustedPath(flavor) if trust_remote_code else flavor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +49,7 @@ class HFArgs:
     head_dim_: int = 0
     intermediate_size: int = 0
     tie_word_embeddings: bool = False
+    trust_remote_code: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -65,6 +78,7 @@ class HFArgs:
 
         raw = dict(self.hf_config)
         model_type = raw.pop("model_type")
+        remote = self.trust_remote_code and "auto_map" in raw
         for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
             if isinstance(raw.get(key), int) and raw[key] >= self.vocab_size:
                 raw[key] = None
@@ -73,6 +87,11 @@ class HFArgs:
             int(raw.get("max_position_embeddings") or 0), self.max_seq_len
         )
         raw["use_cache"] = False
+        if remote:  # the folder's configuration class (read_hf_config logged the risk)
+            folder = Path(self.path) if Path(self.path).is_dir() else Path(self.path).parent
+            keys = ("pad_token_id", "bos_token_id", "eos_token_id", "vocab_size")
+            overrides = {k: raw[k] for k in (*keys, "max_position_embeddings", "use_cache")}
+            return AutoConfig.from_pretrained(folder, trust_remote_code=True, **overrides)
         return AutoConfig.for_model(model_type, **raw)
 
 
@@ -90,9 +109,10 @@ def _config_file(path: str) -> Path:
     return file
 
 
-def read_hf_config(path: str) -> dict[str, Any]:
+def read_hf_config(path: str, trust_remote_code: bool = False) -> dict[str, Any]:
     """The ``config.json`` at ``path`` (a folder or the file), checked: valid JSON, a
-    ``model_type`` transformers knows as a causal LM, and no remote code."""
+    ``model_type`` transformers knows as a causal LM, and no remote code unless
+    ``trust_remote_code`` (then one warning names the risk)."""
     file = _config_file(path)
     try:
         config = json.loads(file.read_text())
@@ -101,13 +121,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(FIELD, path, f"{file} is not a JSON object", "fix the file")
     if "auto_map" in config:
-        raise ConfigError(
-            FIELD,
-            path,
-            f"{file} names remote code (auto_map): building it would run Python files from "
-            "the folder (trust_remote_code), which can do anything on this machine",
-            "use a model transformers implements itself (no auto_map), or port its code",
-        )
+        return _remote_code_config(path, file, config, trust_remote_code)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = config.get("model_type")
@@ -120,6 +134,33 @@ def read_hf_config(path: str) -> dict[str, Any]:
             "transformers does not know as a causal LM",
             "upgrade transformers, or use a folder of a supported architecture",
         )
+    return config
+
+
+def _remote_code_config(
+    path: str, file: Path, config: dict[str, Any], trust_remote_code: bool
+) -> dict[str, Any]:
+    """A config naming remote code: refused without the opt-in; with it, one warning."""
+    if not trust_remote_code:
+        raise ConfigError(
+            FIELD,
+            path,
+            f"{file} names remote code (auto_map): building it runs Python files from the "
+            "folder with this process's rights, which can do anything on this machine",
+            f"set {TRUST_FIELD} = true if you have read or trust that code, or use a model "
+            "transformers implements itself (no auto_map)",
+        )
+    if "AutoModelForCausalLM" not in config["auto_map"]:
+        raise ConfigError(
+            FIELD,
+            path,
+            f"{file}'s auto_map names no AutoModelForCausalLM ({sorted(config['auto_map'])})",
+            "use a folder whose remote code is a causal LM",
+        )
+    logger.warning(
+        f"{TRUST_FIELD}: building {path} runs the Python files of its folder (auto_map) with "
+        "this process's rights; they can read, write and send anything this process can"
+    )
     return config
 
 
@@ -143,20 +184,24 @@ def args_from_config(path: str, config: Mapping[str, Any]) -> HFArgs:
         tie_word_embeddings=bool(
             config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         ),
+        trust_remote_code=isinstance(path, TrustedPath) and "auto_map" in config,
     )
 
 
 class HFFlavors(Mapping[str, HFArgs]):
     """``model.flavor`` -> args: any path to a local HF folder or ``config.json`` is a flavor
-    (read on lookup; a bad one raises :class:`ConfigError`). Lists the paths looked up so far."""
+    (read on lookup; a bad one raises :class:`ConfigError`); a :class:`TrustedPath` key
+    opts into remote code. Lists the paths looked up so far."""
 
     def __init__(self) -> None:
-        self._seen: dict[str, HFArgs] = {}
+        self._seen: dict[tuple[str, bool], HFArgs] = {}
 
     def __getitem__(self, path: str) -> HFArgs:
-        if path not in self._seen:
-            self._seen[path] = args_from_config(path, read_hf_config(path))
-        return self._seen[path]
+        trusted = isinstance(path, TrustedPath)
+        key = (str(path), trusted)
+        if key not in self._seen:
+            self._seen[key] = args_from_config(path, read_hf_config(str(path), trusted))
+        return self._seen[key]
 
     def __contains__(self, path: object) -> bool:
         if not isinstance(path, str):
@@ -165,7 +210,7 @@ class HFFlavors(Mapping[str, HFArgs]):
         return True
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(self._seen))
+        return iter(dict.fromkeys(p for p, _ in self._seen))
 
     def __len__(self) -> int:
         return len(self._seen)

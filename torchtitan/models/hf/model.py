@@ -199,14 +199,20 @@ def decoder_layers_path(model: nn.Module) -> str:
     )
 
 
-def build_hf_model(config: Any, attn_implementation: str = "sdpa") -> nn.Module:
+def build_hf_model(
+    config: Any, attn_implementation: str = "sdpa", trust_remote_code: bool = False
+) -> nn.Module:
     """The transformers model of ``config`` (a ``PretrainedConfig``) as an :class:`HFTrainable`,
-    its parameters on ``meta`` and its buffers computed on the CPU."""
+    its parameters on ``meta`` and its buffers computed on the CPU; ``trust_remote_code``
+    builds the class the config's ``auto_map`` names (``model.hf_trust_remote_code``)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("cpu"), _params_on_meta():
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn_implementation, dtype=torch.float32
+            config,
+            attn_implementation=attn_implementation,
+            dtype=torch.float32,
+            trust_remote_code=trust_remote_code,
         )
     path = decoder_layers_path(model)
     parent_path, _, leaf = path.rpartition(".")
@@ -231,4 +237,4 @@ def meta_model(args: Any) -> nn.Module:
     """The model of ``args`` (``HFArgs``) on ``meta``: the plan, the parameter count and the
     estimator read it (building under ``meta`` allocates nothing)."""
     with torch.device("meta"):
-        return build_hf_model(args.config)
+        return build_hf_model(args.config, trust_remote_code=args.trust_remote_code)

@@ -169,6 +169,7 @@ def hf_parallel_plan(args: HFArgs) -> ModelParallelPlan:
         embedding=embedding,
         context_parallel=None,
         tied_embeddings=args.tie_word_embeddings,
+        head="lm_head",
         refusals=refusals,
     )
 
