@@ -111,3 +111,15 @@ def test_remote_code_with_the_field_gives_transformers_logits_and_trains(
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < losses[0], losses
+
+
+def test_evaluation_builds_remote_code_only_with_the_field(tmp_path: Path) -> None:
+    """Evaluation's loader looks the folder up with the same opt-in as training."""
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.eval.loading import checkpoint_args
+
+    folder = remote_code_folder(tmp_path / "x")
+    with pytest.raises(ConfigError, match="hf_trust_remote_code"):
+        checkpoint_args(folder, True, "hf", str(folder))
+    family, args = checkpoint_args(folder, True, "hf", str(folder), trust_remote_code=True)
+    assert family == "hf" and args.trust_remote_code

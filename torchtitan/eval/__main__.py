@@ -61,7 +61,8 @@ def evaluate(cfg: JobConfig, log_samples: bool = False) -> Evaluator:
     if not hf and not (path / ".metadata").is_file():  # a checkpoint root: its newest step
         found = io.find_checkpoint(path, skip_exports=False)
         path = found.path if found is not None else path
-    family, args = checkpoint_args(path, hf, cfg.model.name, cfg.model.flavor)
+    trust = cfg.model.hf_trust_remote_code
+    family, args = checkpoint_args(path, hf, cfg.model.name, cfg.model.flavor, trust)
     if not hf:  # the trainer's RoPE table covers training.seq_len
         args = dataclasses.replace(args, max_seq_len=cfg.training.seq_len)
     if tokenizer.vocab_size > args.vocab_size:

@@ -96,12 +96,17 @@ def _hf_args(path: Path) -> tuple[str, Any]:
     return family, args
 
 
-def checkpoint_args(path: Path, hf: bool, model: str, flavor: str) -> tuple[str, Any]:
+def checkpoint_args(
+    path: Path, hf: bool, model: str, flavor: str, trust_remote_code: bool = False
+) -> tuple[str, Any]:
     """(family, model args) of a checkpoint, reading no weights: a Hugging Face folder's
     ``config.json`` (and its tensor names), or a DCP folder's metadata (the vocabulary is its
-    embedding's row count)."""
+    embedding's row count). ``trust_remote_code`` (``model.hf_trust_remote_code``): an ``hf``
+    folder's own Python classes may be built (docs/hf_models.md, "Remote code")."""
     if hf and model == "hf":  # any transformers causal LM, by its own config (docs/hf_models.md)
-        return "hf", MODELS["hf"].flavors[str(path)]
+        from torchtitan.models.hf.args import flavor_key
+
+        return "hf", MODELS["hf"].flavors[flavor_key(str(path), trust_remote_code)]
     if hf:
         return _hf_args(path)
     from torchtitan.checkpoint.trust import SafeFileSystemReader
