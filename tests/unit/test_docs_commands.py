@@ -13,6 +13,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import warnings
 from functools import cache
 from pathlib import Path
 
@@ -84,7 +85,11 @@ def _help(target: str, sub: str) -> str:
             if target.endswith(".py"):
                 runpy.run_path(str(ROOT / target), run_name="__main__")
             else:
-                runpy.run_module(target, run_name="__main__", alter_sys=False)
+                with warnings.catch_warnings():
+                    # runpy's note that the module was imported before (by an earlier test):
+                    # expected in process, and not what a user running `python -m` sees
+                    warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+                    runpy.run_module(target, run_name="__main__", alter_sys=False)
     finally:
         sys.argv = old
     return out.getvalue()
