@@ -4,6 +4,7 @@ docs/extending.md)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -105,28 +106,43 @@ def hf_folder_settings(cfg: Any) -> dict[str, Any]:
     folder with YaRN or a sliding window trains as that model (docs/hf_io.md, "Config keys").
     Empty without such a folder, or when its ``config.json`` is unreadable or of another family
     (the preflight names those: ``preflight/validate_weights.py``). The shapes stay the
-    flavor's, checked against the folder's by the preflight."""
+    flavor's, checked against the folder's by the preflight. Read once per file version (the
+    preflight asks from several checks; an unknown key is warned about once)."""
     ck = cfg.checkpoint
-    spec = MODELS.get(cfg.model.name)
+    if not (ck.initial_load_in_hf and ck.initial_load_path):
+        return {}
+    path = Path(ck.initial_load_path) / "config.json"
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return {}
+    return dict(_folder_settings(cfg.model.name, flavor_of(cfg), str(path), stamp))
+
+
+@functools.lru_cache(maxsize=16)
+def _folder_settings(
+    family: str, flavor_key: str, path: str, stamp: int
+) -> tuple[tuple[str, Any], ...]:
+    spec: Any = MODELS.get(family)
     hf = getattr(spec, "hf", None)
     types = getattr(spec, "hf_model_types", ())
-    if not (ck.initial_load_in_hf and ck.initial_load_path) or not types or hf is None:
-        return {}
+    if hf is None or not types:
+        return ()
     try:
-        config = json.loads((Path(ck.initial_load_path) / "config.json").read_text())
+        config = json.loads(Path(path).read_text())
     except (OSError, ValueError):
-        return {}
+        return ()
     if not isinstance(config, dict) or config.get("model_type", "llama") not in types:
-        return {}
+        return ()
     try:
         theirs = hf.config.args_from_hf(config)
     except ConfigError:  # a value we cannot compute: one line, exit 2
         raise
     except (KeyError, TypeError, ValueError):
-        return {}
-    flavor = spec.flavors[flavor_of(cfg)]  # type: ignore[union-attr]
+        return ()
+    flavor = spec.flavors[flavor_key]
     names = [n for n in HONOURED_FIELDS if hasattr(flavor, n) and hasattr(theirs, n)]
-    return {n: getattr(theirs, n) for n in names if getattr(theirs, n) != getattr(flavor, n)}
+    return tuple((n, getattr(theirs, n)) for n in names if getattr(theirs, n) != getattr(flavor, n))
 
 
 def flavor_of(cfg: Any) -> str:
