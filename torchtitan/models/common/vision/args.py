@@ -60,8 +60,10 @@ class VisionArgs:
             )
         if self.hidden_act not in ACTIVATIONS:
             return ConfigError(
-                "vision_config.hidden_act", self.hidden_act, f"must be one of {ACTIVATIONS}", "use"
-                " gelu_pytorch_tanh (every published Qwen3.5)"
+                "vision_config.hidden_act",
+                self.hidden_act,
+                f"must be one of {ACTIVATIONS}",
+                "use gelu_pytorch_tanh (every published Qwen3.5)",
             )
         if min(self.patch_size, self.temporal_patch_size, self.spatial_merge_size) < 1:
             return ConfigError(

@@ -101,7 +101,9 @@ def mrope_axes(half: int, sections: Sequence[int]) -> torch.Tensor:
     return axes
 
 
-def mrope_freqs(table: torch.Tensor, positions: torch.Tensor, sections: Sequence[int]) -> torch.Tensor:
+def mrope_freqs(
+    table: torch.Tensor, positions: torch.Tensor, sections: Sequence[int]
+) -> torch.Tensor:
     """The complex RoPE factors ``[B, S, half]`` of :func:`mrope_positions` ``[3, B, S]`` from
     the 1-D table ``[max_seq_len, half]``: frequency ``k`` at the position of row
     ``mrope_axes[k]``."""
