@@ -23,6 +23,8 @@ from torchtitan.models.common.hf.mapping import Box, HFSource
 from torchtitan.models.common.vision import VisionArgs
 from torchtitan.models.qwen3_5.hf import QWEN35_HF
 from torchtitan.models.qwen3_5_vl.args import Qwen35VLArgs
+from torchtitan.models.qwen3_5_vl.hf_keys import QWEN35_VL_KEYS
+from torchtitan.tools.logging import logger
 
 VISUAL, HF_VISUAL = "visual.", "model.visual."
 TEXT = "model.language_model."
@@ -98,7 +100,9 @@ class Qwen35VLHFConfig(HFConfig):
         }
 
     def check_keys(self, config: Mapping[str, Any]) -> list[str]:
-        return QWEN35_HF.config.check_keys(config.get("text_config", config))
+        """The top level against :data:`QWEN35_VL_KEYS`, ``text_config`` against Qwen3.5's."""
+        top = QWEN35_VL_KEYS.check(config)
+        return top + QWEN35_HF.config.check_keys(config.get("text_config", {}))
 
     def args_from_hf(self, config: Mapping[str, Any]) -> Any:
         if "text_config" not in config or "vision_config" not in config:
@@ -112,6 +116,8 @@ class Qwen35VLHFConfig(HFConfig):
         # carry its own default)
         tie = config.get("tie_word_embeddings", config["text_config"].get("tie_word_embeddings"))
         text_config = {**config["text_config"], "tie_word_embeddings": bool(tie)}
+        for warning in QWEN35_VL_KEYS.check(config):
+            logger.warning(warning)
         text = QWEN35_HF.config.args_from_hf({**config, "text_config": text_config})
         rope = config["text_config"].get("rope_parameters") or {}
         fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(text)}
@@ -133,9 +139,7 @@ QWEN35_VL_HF = dataclasses.replace(
     QWEN35_HF,
     top=_TEXT_TOP,
     layers=("layers", TEXT + "layers"),
-    config=Qwen35VLHFConfig(
-        make_args=Qwen35VLArgs, constants={}, fields=(), keys=QWEN35_HF.config.keys
-    ),
+    config=Qwen35VLHFConfig(make_args=Qwen35VLArgs, constants={}, fields=(), keys=QWEN35_VL_KEYS),
 )
 """The text decoder's names under ``model.language_model.``; the tower is
 :class:`Qwen35VLStateDictAdapter`'s."""
