@@ -5,7 +5,8 @@
     python scripts/make_vlm_data.py --output /tmp/vlm --samples 16
 
 Each sample has one or two random images of 24-80 pixels a side and a caption naming their
-mean colour, with an ``<image>`` marker per image. ``--bad`` adds a corrupt image, an oversized
+mean colour, with an ``<image>`` marker per image (``--text-only-every k``: every k-th sample
+has no image). ``--bad`` adds a corrupt image, an oversized
 one (``--oversized`` pixels a side) and a row with more markers than images, each in its own
 sample, at the end of the parquet.
 """
@@ -37,19 +38,24 @@ def png(rng: random.Random, side: tuple[int, int] | None = None) -> tuple[bytes,
     return buf.getvalue(), name
 
 
-def samples(n: int, seed: int) -> list[tuple[str, list[bytes]]]:
+def samples(n: int, seed: int, text_only_every: int = 0) -> list[tuple[str, list[bytes]]]:
     rng = random.Random(seed)
     out = []
-    for _ in range(n):
+    for i in range(n):
         images = [png(rng) for _ in range(rng.randint(1, 2))]
+        if text_only_every and i % text_only_every == text_only_every - 1:
+            images = []
         text = " ".join(f"{'<image>'} a {c} picture." for _, c in images)
+        text = text or "No picture here, only words."
         out.append((f"Look: {text} The end.", [b for b, _ in images]))
     return out
 
 
-def write(folder: Path, n: int, seed: int, bad: bool, oversized: int) -> None:
+def write(
+    folder: Path, n: int, seed: int, bad: bool, oversized: int, text_only_every: int = 0
+) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    rows = samples(n, seed)
+    rows = samples(n, seed, text_only_every)
     with tarfile.open(folder / "vlm-000.tar", "w") as tar:
         for i, (text, images) in enumerate(rows):
             members = {f"{i:06d}.txt": text.encode()}
@@ -77,8 +83,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bad", action="store_true")
     parser.add_argument("--oversized", type=int, default=400)
+    parser.add_argument("--text-only-every", type=int, default=0)
     args = parser.parse_args()
-    write(args.output, args.samples, args.seed, args.bad, args.oversized)
+    write(args.output, args.samples, args.seed, args.bad, args.oversized, args.text_only_every)
 
 
 if __name__ == "__main__":

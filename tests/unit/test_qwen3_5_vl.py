@@ -242,3 +242,29 @@ def test_image_size_must_be_whole_merged_patches() -> None:
     assert v.image_size_problem(64, 96) is None
     problem = v.image_size_problem(64, 100)
     assert problem is not None and "32" in str(problem)
+
+
+def test_a_batch_without_images_runs_the_tower_on_nothing() -> None:
+    """A rank whose samples have no image passes empty ``pixel_values`` / ``grid_thw`` (the
+    collated form): the tower runs on zero patches (every FSDP rank runs its units), the
+    logits equal the text-only forward, and backward reaches the tower with zero gradients."""
+    from tests.tiny_args import tiny_qwen3_5_vl
+
+    model = MODELS["qwen3_5_vl"].build(tiny_qwen3_5_vl())
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 240, (2, 16), generator=torch.Generator().manual_seed(0))
+    empty = torch.zeros(0, 3 * 2 * 4 * 4)
+    logits = model(tokens, pixel_values=empty, grid_thw=torch.zeros(0, 3, dtype=torch.long))
+    assert torch.equal(logits, model(tokens))
+    logits.square().mean().backward()
+    grad = model.visual.blocks[0].attn.qkv.weight.grad
+    assert grad is not None and not bool(grad.any())
+
+
+def test_plan_gives_the_tower_its_own_fsdp_units_and_refuses_model_parallel() -> None:
+    args = MODELS["qwen3_5_vl"].flavors["debugmodel"]
+    plan = MODELS["qwen3_5_vl"].parallel_plan(args)
+    assert plan.fsdp_units == ("visual.blocks.0", "visual.blocks.1", "visual")
+    assert set(plan.refusals) == {"tensor_parallel", "pipeline_parallel", "context_parallel"}
+    model = MODELS["qwen3_5_vl"].build(args)
+    assert all(model.get_submodule(path) is not None for path in plan.fsdp_units)

@@ -1,8 +1,8 @@
 """The parallel plan of Qwen3.5 with vision (docs/vlm.md, "Parallelism"): the decoder's FSDP
-units as Qwen3.5's (``models/qwen3_5/parallel_plan.py``); the vision tower is replicated
-data-parallel work (each rank encodes its own images) whose parameters FSDP shards with the
-root unit. Tensor, pipeline and context parallel are refused for now (one line at config
-validation)."""
+units as Qwen3.5's (``models/qwen3_5/parallel_plan.py``); the vision tower is data-parallel
+work (each rank encodes its own images) with its own FSDP units: each tower block, then the
+tower's remaining parameters (patch embedding, position table, merger). Tensor, pipeline and
+context parallel are refused for now (one line at config validation)."""
 
 from __future__ import annotations
 
@@ -22,4 +22,5 @@ def qwen35_vl_parallel_plan(args: Qwen35VLArgs) -> ModelParallelPlan:
         "pipeline_parallel": f"pipeline parallel is {_LATER}",
         "context_parallel": f"context parallel is {_LATER}",
     }
-    return dataclasses.replace(plan, document_mask=False, refusals=refusals)
+    tower = tuple(f"visual.blocks.{i}" for i in range(args.vision.depth)) + ("visual",)
+    return dataclasses.replace(plan, document_mask=False, refusals=refusals, fsdp_units=tower)

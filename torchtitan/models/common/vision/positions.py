@@ -31,6 +31,8 @@ def patch_rows_cols(grid_thw: torch.Tensor, merge: int) -> tuple[torch.Tensor, t
         c = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
         rows.append(r.transpose(1, 2).reshape(-1).repeat(t))
         cols.append(c.transpose(1, 2).reshape(-1).repeat(t))
+    if not rows:  # no image on this rank: the tower still runs (FSDP), on zero patches
+        rows = cols = [torch.zeros(0, dtype=torch.long)]
     device = grid_thw.device
     return torch.cat(rows).to(device), torch.cat(cols).to(device)
 
@@ -45,7 +47,7 @@ def interpolated_positions(table: torch.Tensor, grid_thw: torch.Tensor, merge: i
         img = F.interpolate(grid, size=(h, w), mode="bilinear", align_corners=True)[0]
         img = img.view(-1, h // merge, merge, w // merge, merge).permute(1, 3, 2, 4, 0)
         out.append(img.reshape(h * w, -1).repeat(t, 1))
-    return torch.cat(out)
+    return torch.cat(out) if out else table[:0]
 
 
 def frame_lengths(grid_thw: torch.Tensor) -> list[int]:

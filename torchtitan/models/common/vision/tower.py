@@ -61,19 +61,19 @@ class PatchEmbed(nn.Module):
 class VisionAttention(nn.Module):
     def __init__(self, a: VisionArgs) -> None:
         super().__init__()
-        self.n_heads = a.n_heads
+        self.n_heads, self.head_dim = a.n_heads, a.head_dim
         self.qkv = nn.Linear(a.dim, 3 * a.dim)
         self.proj = nn.Linear(a.dim, a.dim)
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.n_heads, -1).unbind(1)
+        q, k, v = self.qkv(x).view(n, 3, self.n_heads, self.head_dim).unbind(1)
         q, k = rotate_halves(q, angles), rotate_halves(k, angles)
         outs = []
         for qs, ks, vs in zip(*(t.split(lengths) for t in (q, k, v)), strict=True):
             o = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (qs, ks, vs)))
             outs.append(o.transpose(0, 1))
-        return self.proj(torch.cat(outs).reshape(n, -1))
+        return self.proj((torch.cat(outs) if outs else v).reshape(n, self.n_heads * self.head_dim))
 
 
 class VisionMLP(nn.Module):
