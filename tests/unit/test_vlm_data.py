@@ -136,3 +136,35 @@ def test_debug_model_learns_from_image_batches(tmp_path: Path) -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_loader_resumes_at_the_next_batch(tmp_path: Path) -> None:
+    """The rank's loader state after two batches, loaded into a new loader: its next batch is
+    the third batch of an uninterrupted run (epochs repeat with ``infinite``)."""
+    from torchtitan.data.dataloader import ParallelAwareDataloader
+
+    make_vlm_data.write(tmp_path, 5, seed=5, bad=False, oversized=400)
+
+    def loader() -> ParallelAwareDataloader:
+        data = VLMDataset(
+            [tmp_path / "vlm.parquet"],
+            build_tokenizer(TOKENIZER),
+            96,
+            RULES,
+            ImageTokens(IMAGE_ID),
+            infinite=True,
+        )
+        return ParallelAwareDataloader(data, 0, 1, batch_size=2, collate_fn=collate)
+
+    straight = iter(loader())
+    batches = [next(straight) for _ in range(4)]
+    first = loader()
+    it = iter(first)
+    next(it), next(it)
+    state = first.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    again = iter(resumed)
+    for want in batches[2:]:
+        got = next(again)
+        assert all(torch.equal(got[k], want[k]) for k in want)
