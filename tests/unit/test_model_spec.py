@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tests.toy_model  # noqa: F401  (registers "toy")
-from torchtitan.distributed.pipeline_plan import plan_pipeline
+from torchtitan.distributed.pipeline_stages import plan_pipeline
 from torchtitan.distributed.tensor_parallel import tp_problem
 from torchtitan.models import MODELS
 

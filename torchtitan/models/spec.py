@@ -31,7 +31,7 @@ class ModelArgs(Protocol):
 
 class DecoderShape(ModelArgs, Protocol):
     """The shape of a dense decoder-only transformer, as the memory estimator and the planner
-    model it (``plan/``)."""
+    model it (``planner/``)."""
 
     dim: int
     n_heads: int

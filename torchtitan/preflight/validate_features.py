@@ -13,7 +13,7 @@ from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import parse_selective_option
 from torchtitan.distributed.float8 import float8_unsupported_reason
-from torchtitan.distributed.pipeline_plan import SCHEDULES, normalize_schedule_name
+from torchtitan.distributed.pipeline_stages import SCHEDULES, normalize_schedule_name
 from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS, flavor_args, flavor_of, hf_config_mismatch
 from torchtitan.preflight.validate_weights import validate_hf_family

@@ -57,7 +57,7 @@ class DecoderArgsBase(abc.ABC):
 
     qk_norm: ClassVar[bool] = False
     """Queries and keys are RMS-normalized per head (the memory estimator counts their saved
-    tensors, ``plan/moe_memory.py``)."""
+    tensors, ``planner/moe_memory.py``)."""
 
     def __post_init__(self) -> None:
         if self.n_heads % self.kv_heads != 0:

@@ -214,7 +214,7 @@ class Qwen35Args(DecoderArgsBase):
 
     def mixer_shapes(self, layer: int, tp: int) -> list[tuple[tuple[int, int], bool]]:
         """The estimator's view of block ``layer``'s token mixer after TP: each parameter's
-        2-D shape and whether it is a matmul weight (``plan/memory_terms.py: layer_shapes``)."""
+        2-D shape and whether it is a matmul weight (``planner/memory_terms.py: layer_shapes``)."""
         return _mixer_shapes(self, layer, tp)
 
     def block_saved_bytes(self, layer: int, tokens: int, act: int, tp: int, mode: str) -> int:
