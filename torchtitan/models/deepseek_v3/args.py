@@ -41,9 +41,13 @@ class DeepSeekV3Args(DecoderArgsBase):
     q_lora_rank: int = 0
     """Rank of the query latent; 0: queries are projected directly (``wq``, V2-Lite)."""
     kv_lora_rank: int = 512
+    """Rank of the key/value latent (what generation caches per token, with the rotated key)."""
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
+    """Each query/key head is a non-rotated part and a rotated part (even; one rotated key
+    shared by all heads)."""
     v_head_dim: int = 128
+    """Width of each value head."""
     attention_bias: bool = False
     """Biases on ``wq_a``, ``wkv_a`` and ``wo`` (HF ``attention_bias``; transformers puts them on
     ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``, none on ``q_proj``/``q_b_proj``/``kv_b_proj``)."""
@@ -53,14 +57,22 @@ class DeepSeekV3Args(DecoderArgsBase):
     n_dense_layers: int = 1
     """Blocks 0 .. n_dense_layers - 1 are dense (HF ``first_k_dense_replace``), the rest MoE."""
     moe: MoEArgs | None = None
+    """The MoE layer of the blocks from ``n_dense_layers`` on; None only when every block is
+    dense."""
 
     rope_factor: float = 1.0
     """YaRN context stretch; 1.0: plain RoPE."""
     rope_original_max_seq_len: int = 4096
+    """The context before the stretch (HF ``original_max_position_embeddings``)."""
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
+    """YaRN's ramp (HF ``beta_fast``, ``beta_slow``): frequencies turning more than
+    ``beta_fast`` times over the original context are kept, fewer than ``beta_slow`` are
+    stretched by ``rope_factor``, those between blended."""
     rope_mscale: float = 1.0
     rope_mscale_all_dim: float = 0.0
+    """YaRN's magnitude corrections (HF ``mscale``, ``mscale_all_dim``): how they scale the
+    rotation and the softmax is ``rope_attention_factor`` and ``softmax_scale``."""
 
     mtp_depth: int = 0
     """Multi-token-prediction modules (each predicts one token further); 0: none."""
