@@ -85,7 +85,7 @@ def test_family_specs_are_keyword_built_and_use_their_adapter() -> None:
     reads the multimodal checkpoints' ``model.language_model.`` names."""
     positional: Any = ("toy", {}, nn.Identity, nn.Identity)
     with pytest.raises(TypeError, match="positional"):
-        FamilySpec(*positional)  # type: ignore[call-arg]  (mypy refuses it too)
+        FamilySpec(*positional)  # type: ignore[call-arg]  # mypy refuses it too
 
     ds = tiny_deepseek_v3(mtp_depth=1)
     ds_sd = _meta_state_dict("deepseek_v3", ds)
