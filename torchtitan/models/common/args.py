@@ -13,9 +13,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
-
-A = TypeVar("A")
+from typing import Any, ClassVar
 
 
 @dataclass
