@@ -30,7 +30,7 @@ if [[ "${1:-}" == "--torch" ]]; then
     echo "== smoke tier: $("$python" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null)" \
         "(venv ready in $((ready - start)) s)"
     echo "== imports"
-    "$python" -W ignore -c 'import torchtitan.train, torchtitan.trainer, torchtitan.plan.__main__'
+    "$python" -W ignore -c 'import torchtitan.train, torchtitan.training.trainer, torchtitan.planner.__main__'
     echo "== pytest -m smoke"
     status=0
     "$python" -m pytest -p no:cacheprovider -m smoke "$@" || status=$?

@@ -64,7 +64,7 @@ def worker(seq_len: int, warmup: int, steps: int, overrides: list[str]) -> None:
     from torchtitan.distributed.utils import destroy_distributed
     from torchtitan.preflight.validate import load_config
     from torchtitan.tools.device_memory import DeviceMemoryMonitor
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     cp = int(os.environ["WORLD_SIZE"])
     dump = tempfile.mkdtemp(prefix="cp_bench_")

@@ -95,9 +95,9 @@ def measure(argv: list[str], steps: int) -> dict:
     register_flavors()
     import torch
 
-    from torchtitan.plan.tracker import LiveTensorTracker
+    from torchtitan.planner.tracker import LiveTensorTracker
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     trainer = Trainer(load_config(argv))
     params = [p for part in trainer.model_parts for p in part.parameters()]
@@ -143,7 +143,7 @@ def measure(argv: list[str], steps: int) -> dict:
 
 def _estimate(argv: list[str], ranks: int) -> dict:
     from torchtitan.config.manager import parse_args
-    from torchtitan.plan.estimator import estimate_memory
+    from torchtitan.planner.estimator import estimate_memory
 
     est = estimate_memory(parse_args(argv), ranks, device_type="cpu")
     return {"estimated": est.tensor_peak, "phase": est.phase, "host": est.host}

@@ -38,7 +38,7 @@ from torchtitan.config.manager import parse_args
 from torchtitan.distributed.data_parallel import apply_fsdp
 from torchtitan.models import MODELS
 from torchtitan.optim.optimizer import build_optimizer
-from torchtitan.plan.estimator import model_args_for
+from torchtitan.planner.estimator import model_args_for
 
 CONFIG = "train_configs/debug_model.toml"
 

@@ -70,7 +70,7 @@ def _metrics(dump: Path) -> list[dict]:
 def _state_bytes(extra: list[str]) -> int:
     """Bytes of the Adam moments of the debug model under ``extra`` (its runtime args)."""
     from torchtitan.models import MODELS
-    from torchtitan.plan.estimator import optimizer_state_bytes_per_param
+    from torchtitan.planner.estimator import optimizer_state_bytes_per_param
 
     spec = MODELS["llama3"]
     n = spec.num_params(spec.flavors["debugmodel"])

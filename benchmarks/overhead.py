@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan.distributed.utils import destroy_distributed
     from torchtitan.models import MODELS
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

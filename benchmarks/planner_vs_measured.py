@@ -6,7 +6,7 @@
 
 Two gloo ranks (one per core, one thread each) measure this machine first: the fp32 matmul rate
 of one core (both cores busy, as in training), the gloo all-gather bandwidth and the latency of
-a small collective; that is the planner's ``Hardware`` (``plan/auto.py: CPU_GLOO`` with the
+a small collective; that is the planner's ``Hardware`` (``planner/auto.py: CPU_GLOO`` with the
 measured figures). Then, for each flavor (the debug model; ``cpu_large`` of
 ``benchmarks/memory_levers.py``), every layout of 2 ranks (the planner's own enumeration: FSDP,
 DDP, TP, PP 1F1B and Interleaved1F1B, plus CP 2 and PP GPipe, which it does not enumerate at
@@ -62,7 +62,7 @@ def measure_hardware():  # type: ignore[no-untyped-def]
     import torch
     import torch.distributed as dist
 
-    from torchtitan.plan.auto import hardware_facts
+    from torchtitan.planner.auto import hardware_facts
     from torchtitan.tools.peak_flops import measure_matmul_peak_flops
 
     dist.barrier()
@@ -156,8 +156,8 @@ def _sync_seconds(n: int = 40) -> float:
 
 def layouts_for(cfg, hw):  # type: ignore[no-untyped-def]
     """The planner's layouts without gradient accumulation, plus CP 2 and PP GPipe."""
-    from torchtitan.plan.estimator import model_args_for
-    from torchtitan.plan.planner import AC_CHOICES, enumerate_layouts
+    from torchtitan.planner.estimator import model_args_for
+    from torchtitan.planner.planner import AC_CHOICES, enumerate_layouts
 
     own = [
         lay
@@ -179,7 +179,7 @@ def layouts_for(cfg, hw):  # type: ignore[no-untyped-def]
 def time_layout(flavor: str, layout, warmup: int, steps: int, dump: str) -> float:  # type: ignore[no-untyped-def]
     """Best step time (s) of ``steps`` timed steps after ``warmup``, rank 0's clock."""
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     argv = [*_base_argv(flavor, dump), *" ".join(layout.overrides()).split()]
     cfg = load_config([*argv, "--training.steps", str(warmup + steps)], world_size=WORLD)
@@ -202,8 +202,8 @@ def time_layout(flavor: str, layout, warmup: int, steps: int, dump: str) -> floa
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from torchtitan import builders
     from torchtitan.config.manager import parse_args
+    from torchtitan.training import builders
 
     register_flavors()
     dist.init_process_group("gloo")
@@ -302,10 +302,10 @@ def _matches(lay, auto) -> bool:  # type: ignore[no-untyped-def]
 def report(path: str) -> None:
     """Predictions of the current cost model beside the measurements saved in ``path``."""
     from torchtitan.config.manager import parse_args
-    from torchtitan.plan.auto import choose
-    from torchtitan.plan.cost_model import step_time
-    from torchtitan.plan.estimator import model_args_for
-    from torchtitan.plan.layout import Hardware, Layout
+    from torchtitan.planner.auto import choose
+    from torchtitan.planner.cost_model import step_time
+    from torchtitan.planner.estimator import model_args_for
+    from torchtitan.planner.layout import Hardware, Layout
 
     register_flavors()
     record = json.loads(Path(path).read_text())

@@ -139,7 +139,7 @@ def run_one(
     from torchtitan.distributed.utils import destroy_distributed
     from torchtitan.preflight.validate import load_config
     from torchtitan.tools.peak_flops import datasheet_peak_flops, measure_matmul_peak_flops
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     cfg = load_config([*overrides, "--training.steps", str(warmup + steps)])
     trainer = Trainer(cfg)
@@ -197,7 +197,7 @@ def run_one(
     tps = trainer.device_tokens_per_step * steps / elapsed
     flops_per_token = (
         trainer.metrics.flops_per_token
-    )  # what the log's MFU counts (plan/lora_memory.py)
+    )  # what the log's MFU counts (planner/lora_memory.py)
     achieved = flops_per_token * tps
     mem_key = "memory/peak_gib"
     peak_mem = max((m[mem_key] for m in logged if m.get(mem_key) is not None), default=None)

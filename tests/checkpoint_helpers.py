@@ -44,7 +44,7 @@ def train_with_faults(
     checkpoint files of a step are written but before they are committed."""
     from torchtitan.checkpoint.manager import CheckpointManager
     from torchtitan.train import main
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     rank = int(os.environ["RANK"])
     if sigterm_after_step is not None and rank == sigterm_rank:

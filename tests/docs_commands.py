@@ -337,7 +337,7 @@ COMMANDS: dict[str, Mode] = {
     "python benchmarks/startup.py --cases debug,debug_hf,1B_hf": Skip(BENCH),
     "python benchmarks/startup.py --cases debug,1B_hf --code /path/to/main": Skip(PLACEHOLDER),
     # docs/planning.md
-    "python -m torchtitan.plan --job.config_file train_configs/llama3_8b.toml --world_size 8 "
+    "python -m torchtitan.planner --job.config_file train_configs/llama3_8b.toml --world_size 8 "
     "--device_memory_gib 80 --vocab_size 128256 --top 3": Fast(0, "layouts enumerated"),
     "NGPU=8 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh --parallelism.auto": Skip(
         GPU + " x 8"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan.distributed.pipeline_plan import SCHEDULES
+from torchtitan.distributed.pipeline_stages import SCHEDULES
 from torchtitan.tools import torch_compat
 
 needs_pp_dtensor = pytest.mark.skipif(

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan.distributed.init_weights import ParamInit, init_params_deterministic
 from torchtitan.distributed.model_plan import ModelParallelPlan, TensorParallelPlan
-from torchtitan.distributed.pipeline_plan import PipelineUnit
+from torchtitan.distributed.pipeline_stages import PipelineUnit
 from torchtitan.models import MODELS
 
 

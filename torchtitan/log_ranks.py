@@ -8,12 +8,12 @@ import contextlib
 import sys
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.distributed.pipeline_plan import PipelinePlan
-from torchtitan.plan.auto import load_config
-from torchtitan.preflight.validate import pipeline_plan
+from torchtitan.distributed.pipeline_stages import PipelineStages
+from torchtitan.planner.auto import load_config
+from torchtitan.preflight.validate import pipeline_stages
 
 
-def resolve_log_ranks(spec: str, world_size: int, plan: PipelinePlan | None) -> list[int]:
+def resolve_log_ranks(spec: str, world_size: int, plan: PipelineStages | None) -> list[int]:
     """``LOG_RANK`` -> sorted global ranks: a comma list of ranks and the words ``last`` (the
     ranks holding the last pipeline stage, where the loss is computed; every rank without PP)
     and ``all``."""
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
     plan = None
     # A config error is the trainer's to report; 'last' then falls back to no-PP.
     with contextlib.suppress(ConfigError):
-        plan = pipeline_plan(load_config(argv[2:], world_size=world_size)[0])
+        plan = pipeline_stages(load_config(argv[2:], world_size=world_size)[0])
     try:
         print(",".join(map(str, resolve_log_ranks(spec, world_size, plan))))
     except ValueError as e:

@@ -13,13 +13,13 @@ from torchtitan.config.manager import asked_for_help
 from torchtitan.distributed.utils import destroy_distributed
 from torchtitan.guards.spikes import TrainingAborted
 from torchtitan.launch import report_stop
-from torchtitan.plan.auto import load_config
-from torchtitan.plan.explain import explain
-from torchtitan.plan.fit import check_fit
+from torchtitan.planner.auto import load_config
+from torchtitan.planner.explain import explain
+from torchtitan.planner.fit import check_fit
 from torchtitan.preflight.validate import world_size_from_env
 from torchtitan.tools import startup
 from torchtitan.tools.logging import init_logger
-from torchtitan.trainer import Trainer
+from torchtitan.training.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:

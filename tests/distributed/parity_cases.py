@@ -19,7 +19,7 @@ import pytest
 
 # Import the trainer in the parent so forked ranks start without re-importing it (seconds each).
 import torchtitan.train  # noqa: F401
-import torchtitan.trainer  # noqa: F401
+import torchtitan.training.trainer  # noqa: F401
 from tests.parity import PP2_1F1B as PP2_1F1B  # the family parity modules import it from here
 from tests.parity import assert_losses_match, losses, train_metrics
 

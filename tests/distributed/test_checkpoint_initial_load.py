@@ -24,7 +24,7 @@ def _trainer_weights(argv: list[str], expected: dict[str, torch.Tensor]) -> list
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     trainer = Trainer(load_config(["--job.config_file", DEBUG_TOML, *argv]))
     try:

@@ -59,7 +59,7 @@ def _train_and_read_export(argv: list[str], dump: str) -> list[str]:
 
     from torchtitan.checkpoint.storage import read_model_weights
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     trainer = Trainer(
         load_config(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *argv])

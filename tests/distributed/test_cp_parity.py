@@ -83,7 +83,7 @@ def _shapes_seen(argv: list[str], dump: str) -> dict:
     from tests.parity import DEBUG_TOML, TINY
     from torchtitan.distributed.utils import destroy_distributed
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     cfg = load_config(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *TINY, *argv])
     trainer = Trainer(cfg)

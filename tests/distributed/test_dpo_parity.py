@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 # Import the trainer in the parent so forked ranks start without re-importing it.
-import torchtitan.trainer  # noqa: F401
+import torchtitan.training.trainer  # noqa: F401
 from scripts.make_posttrain_data import write
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML, TINY
@@ -34,7 +34,7 @@ def _dpo_rank(argv: list[str], dump: str, data: str, loss_type: str) -> list[dic
     from torchtitan.posttrain.preference_data import PreferenceDataset, preference_batches
     from torchtitan.posttrain.reference import Reference
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     cfg = load_config(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *TINY, *argv])
     trainer = Trainer(cfg)

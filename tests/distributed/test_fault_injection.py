@@ -43,7 +43,7 @@ def _train(argv: list[str], dump: str, fault: str, lr: float | None = None) -> d
     os.environ["TORCHTITAN_FAULT"] = fault
     from torchtitan.distributed.utils import destroy_distributed
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     cfg = load_config(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *argv])
     if lr is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
+import torchtitan.training.trainer  # noqa: F401  (imported once in the parent, not in every rank)
 from tests.checkpoint_helpers import assert_bitwise_resume
 from tests.distributed.parity_cases import PP2_1F1B, FamilyParity
 from tests.launcher import run_ranks

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import torchtitan.trainer  # noqa: F401 - imported in the parent before the ranks fork
+import torchtitan.training.trainer  # noqa: F401 - imported in the parent before the ranks fork
 from scripts.make_posttrain_data import write
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML, TINY
@@ -24,7 +24,7 @@ def _grpo_rank(dump: str, data: str) -> list[dict]:
     from torchtitan.posttrain.reference import Reference
     from torchtitan.posttrain.rewards import resolve
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     argv = ["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *TINY]
     argv += ["--training.local_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2"]

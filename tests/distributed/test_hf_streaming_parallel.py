@@ -119,7 +119,7 @@ def _on_ranks(argv: list[str], family: str, args: Any, folder: str, ref: Any, ou
     the trained full tensors this rank holds)."""
     from torchtitan.checkpoint.state import model_state_dict
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     trainer = Trainer(load_config(["--job.config_file", DEBUG_TOML, *argv]))
     try:

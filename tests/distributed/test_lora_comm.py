@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 # Import the trainer in the parent so forked ranks start without re-importing it.
-import torchtitan.trainer  # noqa: F401
+import torchtitan.training.trainer  # noqa: F401
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML, TINY
 
@@ -32,7 +32,7 @@ def _count_rank(argv: list[str], dump: str) -> tuple[int, int, int]:
 
     from torchtitan.distributed.utils import destroy_distributed
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     sent = [0]
     inner = dist.reduce_scatter_single

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 # Import the trainer in the parent so forked ranks start without re-importing it.
-import torchtitan.trainer  # noqa: F401
+import torchtitan.training.trainer  # noqa: F401
 from tests.launcher import run_ranks
 from tests.parity import DEBUG_TOML, TINY, assert_losses_match, losses, read_jsonl
 
@@ -49,7 +49,7 @@ def _lora_rank(argv: list[str], dump: str) -> tuple[list[dict] | None, bool, boo
     from torchtitan.distributed.utils import destroy_distributed
     from torchtitan.lora.layers import is_adapter_name
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     cfg = load_config(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *argv])
     trainer = Trainer(cfg)

@@ -16,7 +16,7 @@ from tests.launcher import run_ranks
 from tests.script_loader import load
 from torchtitan.config.manager import parse_args
 from torchtitan.models.llama3.args import LLAMA3_FLAVORS
-from torchtitan.plan.estimator import estimate_memory
+from torchtitan.planner.estimator import estimate_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.10

@@ -59,7 +59,7 @@ def _run(argv: list[str], dump: str, hooks: dict[str, Any]) -> dict[str, Any]:
     from torchtitan.guards.nonfinite import NonFiniteError
     from torchtitan.preflight.validate import load_config
     from torchtitan.tools.logging import logger
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     cfg = load_config(["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump, *TINY, *argv])
     rank = int(os.environ["RANK"])
@@ -74,7 +74,7 @@ def _run(argv: list[str], dump: str, hooks: dict[str, Any]) -> dict[str, Any]:
             if hooks.get("hog_mib") and rank == 1:
                 self.hog = torch.ones(hooks["hog_mib"] * 2**18)  # held for the whole run
             if hooks.get("straggle_s") and rank == 1:
-                self.steps.data_iter = _Slow(iter(self.dataloader), hooks["straggle_s"])
+                self.stepper.data_iter = _Slow(iter(self.dataloader), hooks["straggle_s"])
             if hooks.get("leak"):
                 # The bug being simulated: a hook that keeps every step's logits (4 MiB here).
                 def keep(module: Any, args: Any, output: torch.Tensor) -> None:

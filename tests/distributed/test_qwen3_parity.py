@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import torchtitan.trainer  # noqa: F401  (imported once in the parent, not in every rank)
+import torchtitan.training.trainer  # noqa: F401  (imported once in the parent, not in every rank)
 from tests.distributed.parity_cases import PP2_1F1B, FamilyParity
 
 STEPS = 10

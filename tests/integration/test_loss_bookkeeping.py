@@ -37,7 +37,7 @@ def live_tensor_bytes() -> tuple[int, int]:
 
 def _run(log_freq: int, leak: bool, dump: str) -> dict[int, tuple[int, int]]:
     from torchtitan.preflight.validate import load_config
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     cfg = load_config(
         [

@@ -34,18 +34,20 @@ ALLOWED = {
     "lora": BASE | {"models"},
     "preflight": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"},
-    "plan": BASE
+    "planner": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"}
     | {"preflight"},
     "posttrain": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "lora"},
 }
+ALLOWED["training"] = set(ALLOWED)  # the training layer sits on top: it may import any package
 TOP = {
     "torchtitan.train",
-    "torchtitan.trainer",
-    "torchtitan.builders",
-    "torchtitan.train_step",
-    "torchtitan.microbatch",
+    "torchtitan.training",
+    "torchtitan.training.trainer",
+    "torchtitan.training.builders",
+    "torchtitan.training.train_step",
+    "torchtitan.training.microbatch",
     "torchtitan.log_ranks",
     "torchtitan.launch",
     "torchtitan.convert",

@@ -1,4 +1,4 @@
-"""``--parallelism.auto`` (plan/auto.py, docs/planning.md): the planner's top layout applied at
+"""``--parallelism.auto`` (planner/auto.py, docs/planning.md): the planner's top layout applied at
 launch, the line that names it and pins it, the error when nothing fits, and the all-gather
 check that every rank chose the same layout."""
 
@@ -12,9 +12,9 @@ import pytest
 from tests.launcher import run_ranks
 from torchtitan.config import ConfigError
 from torchtitan.config.manager import parse_args
-from torchtitan.plan.auto import CPU_GLOO, check_same_layout, choose, load_config
-from torchtitan.plan.estimator import model_args_for
-from torchtitan.plan.planner import plan
+from torchtitan.planner.auto import CPU_GLOO, check_same_layout, choose, load_config
+from torchtitan.planner.estimator import model_args_for
+from torchtitan.planner.planner import plan
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml")]
@@ -64,7 +64,7 @@ def test_nothing_fits_is_one_line_naming_the_levers() -> None:
 def test_load_config_applies_validates_and_marks_the_sources(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("torchtitan.plan.auto.hardware_facts", lambda world: HW)
+    monkeypatch.setattr("torchtitan.planner.auto.hardware_facts", lambda world: HW)
     argv = [*DEBUG, *SMALL, "--parallelism.auto", "--parallelism.tensor_parallel_degree", "2"]
     cfg, sources, note = load_config(argv, world_size=2)
     assert note is not None and "parallelism.auto chose" in note

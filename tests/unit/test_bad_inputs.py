@@ -132,7 +132,7 @@ def test_offline_unknown_hub_dataset_is_one_message(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
-# `python -m torchtitan.plan`'s own options: exit 2 and one line naming the option (docs/planning.md)
+# `python -m torchtitan.planner`'s own options: exit 2 and one line naming the option (docs/planning.md)
 PLAN_CASES = [
     (["--world_size", "8", "--device_memory_gib", "-5"], "--device_memory_gib = -5.0: must be a"),
     (
@@ -158,7 +158,7 @@ PLAN_CASES = [
 def test_plan_option_errors_exit_2(
     args: list[str], words: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from torchtitan.plan.__main__ import main as plan_main
+    from torchtitan.planner.__main__ import main as plan_main
 
     rc = plan_main(["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml"), *args])
     out, err = capsys.readouterr()
@@ -174,7 +174,7 @@ def test_validating_skips_the_fit_check_launching_runs_it(
     """``python -m torchtitan.config`` validates a layout for any machine; with ``--launch``
     (what run_train.sh passes) it checks this machine's memory too (here: 1 GiB of host)."""
     from torchtitan.config.__main__ import main as config_main
-    from torchtitan.plan import fit
+    from torchtitan.planner import fit
 
     class Small:
         available = 2**30

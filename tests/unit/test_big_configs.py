@@ -28,14 +28,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchtitan.builders import build_meta_model
 from torchtitan.config import JobConfig, parse_args
 from torchtitan.config.__main__ import main as config_cli
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import split_model
 from torchtitan.models import MODELS, runtime_args
-from torchtitan.preflight.validate import pipeline_plan, validate_config
+from torchtitan.preflight.validate import pipeline_stages, validate_config
+from torchtitan.training.builders import build_meta_model
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 128256  # the Llama 3 tokenizer
@@ -132,7 +132,7 @@ def _build_rank(
     # The trainer's converter step; float8 is emulated here (no float8 hardware).
     cfg.quantize.dense.float8.emulate = True
     model = build_meta_model(cfg, spec, args, dims, torch.device("cpu"))
-    plan = pipeline_plan(cfg)
+    plan = pipeline_stages(cfg)
     stage_ids = plan.stage_ids(dims.coordinates()["pp"]) if plan else []
     model_plan = spec.parallel_plan(args)
     units = model_plan.pipeline_units
@@ -238,7 +238,7 @@ def test_llama3_70b_fsdp32_tp8(fake_rank: None) -> None:
 @pytest.mark.parametrize("rank", [0, 511])
 def test_llama3_405b_3d(fake_rank: None, rank: int) -> None:
     cfg = _load("llama3_405b.toml", 512)
-    plan = pipeline_plan(cfg)
+    plan = pipeline_stages(cfg)
     assert plan is not None and plan.num_stages == 16 and plan.n_microbatches == 16
     pp_rank = rank // 64  # 64 = dp_shard 8 x tp 8 ranks per pipeline rank
     stages = [pp_rank, pp_rank + 8]  # looped placement: stage s on pp rank s % 8

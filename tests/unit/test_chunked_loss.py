@@ -10,7 +10,7 @@ from torch import nn
 
 from torchtitan.distributed.output_head import DeferredLinear, defer_output
 from torchtitan.loss.chunked import chunked_cross_entropy
-from torchtitan.plan.tracker import LiveTensorTracker
+from torchtitan.planner.tracker import LiveTensorTracker
 
 
 def _inputs(tokens: int, dim: int, vocab: int, seed: int = 0):

@@ -266,7 +266,7 @@ def test_mtp_hf_round_trip() -> None:
 def test_estimates_count_mla_and_mtp(capsys: pytest.CaptureFixture[str]) -> None:
     """FLOPs, parameters and the generation cache of the 671B flavor by hand, and the planner
     finds a layout for the 16B config on 8 x 80 GiB."""
-    from torchtitan.plan.__main__ import main as plan_main
+    from torchtitan.planner.__main__ import main as plan_main
 
     a = DEEPSEEK_V3_FLAVORS["671B"]
     mtp = 3 * 7168 + 2 * 7168 * 7168 + a._layer_params(61, active=False)

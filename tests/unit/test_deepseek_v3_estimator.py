@@ -17,7 +17,7 @@ from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from torchtitan.models.deepseek_v3.model import Transformer
-from torchtitan.plan.memory_terms import layer_activations, mtp_saved_bytes, stage_shapes
+from torchtitan.planner.memory_terms import layer_activations, mtp_saved_bytes, stage_shapes
 
 DS = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 ONE = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
@@ -78,7 +78,7 @@ def test_mla_parameters_match_the_model() -> None:
 
 
 def test_explain_shows_mla_and_mtp() -> None:
-    from torchtitan.plan.explain import explain
+    from torchtitan.planner.explain import explain
 
     cfg = parse_args([*dense.BASE, *DS, "--parallelism.pipeline_parallel_degree", "2"])
     text = explain(cfg, 2, device_type="cpu")

@@ -125,10 +125,10 @@ FAST = [c for c, m in COMMANDS.items() if isinstance(m, Fast)]
 def _in_process(command: str) -> tuple[int, str]:
     """Run ``[ENV=..] python -m torchtitan.{config,plan,train} ...`` through its ``main``."""
     from torchtitan.config.__main__ import main as config_main
-    from torchtitan.plan.__main__ import main as plan_main
+    from torchtitan.planner.__main__ import main as plan_main
     from torchtitan.train import main as train_main
 
-    mains = {"torchtitan.config": config_main, "torchtitan.plan": plan_main}
+    mains = {"torchtitan.config": config_main, "torchtitan.planner": plan_main}
     mains["torchtitan.train"] = train_main
     words = _words(command)
     env = dict(w.split("=", 1) for w in words[: words.index("python")])

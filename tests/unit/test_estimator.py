@@ -20,15 +20,15 @@ from tests.parity import DEBUG_TOML
 from tests.saved_tensors import saved_bytes
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import parse_args
-from torchtitan.distributed.pipeline_plan import plan_pipeline
+from torchtitan.distributed.pipeline_stages import plan_pipeline
 from torchtitan.models.llama3.args import LLAMA3_FLAVORS
-from torchtitan.plan.estimator import (
+from torchtitan.planner.estimator import (
     GIB,
     block_activation_bytes,
     estimate_memory,
     in_flight_microbatches,
 )
-from torchtitan.plan.tracker import LiveTensorTracker
+from torchtitan.planner.tracker import LiveTensorTracker
 from torchtitan.preflight.validate import load_config
 
 TOLERANCE = 0.10
@@ -185,7 +185,7 @@ def test_8b_on_one_80gib_gpu_does_not_fit_but_fsdp8_does() -> None:
 # ---------------------------------------------------------------------- calibration
 def _measure(argv: list[str], steps: int) -> int:
     """Peak live tensor memory of this rank over the steady-state steps (after the first)."""
-    from torchtitan.trainer import Trainer
+    from torchtitan.training.trainer import Trainer
 
     trainer = Trainer(load_config(argv))
     held = [p for part in trainer.model_parts for p in [*part.parameters(), *part.buffers()]]

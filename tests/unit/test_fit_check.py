@@ -1,4 +1,4 @@
-"""Fit before launch (``job.fit_check``, torchtitan/plan/fit.py): the estimate per rank against
+"""Fit before launch (``job.fit_check``, torchtitan/planner/fit.py): the estimate per rank against
 this machine's GPU or host memory, before any process group."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 
 from tests.fuzz_inputs import DEBUG_TOML, run_config_cli
 from torchtitan.config.errors import ConfigError
-from torchtitan.plan.estimator import GIB, estimate_memory
-from torchtitan.plan.fit import check_fit
+from torchtitan.planner.estimator import GIB, estimate_memory
+from torchtitan.planner.fit import check_fit
 from torchtitan.preflight.validate import load_config
 
 

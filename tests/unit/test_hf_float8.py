@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 from tests.hf_models import save_config
-from torchtitan.builders import build_meta_model
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models import MODELS, run_args
 from torchtitan.preflight.validate import load_config
+from torchtitan.training.builders import build_meta_model
 
 VOCAB = 2048
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

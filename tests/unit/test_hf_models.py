@@ -170,7 +170,7 @@ def test_estimate_is_generic_and_equals_native_at_the_same_shape() -> None:
     """train_configs/hf/llama3_debugmodel is Llama 3 debugmodel's shape as a transformers
     folder: the estimator, reading the hf family's shape generically, gives the native total
     and says the estimate is generic."""
-    from torchtitan.plan.estimator import estimate_memory
+    from torchtitan.planner.estimator import estimate_memory
 
     ROOT = Path(__file__).resolve().parents[2]
     folder = str(ROOT / "train_configs" / "hf" / "llama3_debugmodel")

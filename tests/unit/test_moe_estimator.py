@@ -1,4 +1,4 @@
-"""Memory estimate of Mixture-of-Experts blocks (``plan/moe_memory.py``): the saved-activation
+"""Memory estimate of Mixture-of-Experts blocks (``planner/moe_memory.py``): the saved-activation
 formula against ``saved_tensors_hooks``, the expert storage per rank under expert parallel, and
 calibration against the measured peak of live tensor memory (``LiveTensorTracker``) for the
 ``debugmodel_moe`` flavor: one process, FSDP 2, EP 2, EP 2 x FSDP 2 (docs/planning.md, "MoE").
@@ -16,8 +16,8 @@ from tests.unit import test_estimator as dense
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.qwen3.args import QWEN3_FLAVORS
-from torchtitan.plan.estimator import estimate_memory, model_args_for
-from torchtitan.plan.moe_memory import all_to_all_bytes, expert_layout
+from torchtitan.planner.estimator import estimate_memory, model_args_for
+from torchtitan.planner.moe_memory import all_to_all_bytes, expert_layout
 
 MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 
@@ -26,7 +26,7 @@ def _saved_bytes(flavor: str, tokens: int = 128) -> tuple[int, int]:
     """(bytes autograd saves for one block, the estimator's formula)."""
     from torchtitan.models.common.moe import grouped_mm_supported
     from torchtitan.models.qwen3.model import Transformer
-    from torchtitan.plan.memory_terms import layer_activations as _layer_activations
+    from torchtitan.planner.memory_terms import layer_activations as _layer_activations
 
     grouped_mm_supported("cpu", torch.float32)
     args = dataclasses.replace(QWEN3_FLAVORS[flavor], n_layers=1, max_seq_len=64)
@@ -111,7 +111,7 @@ def test_moe_estimate_within_10_percent_of_measured_peak(name: str, tmp_path: ob
 
 def test_explain_counts_the_experts_of_a_pipeline_rank() -> None:
     """EP 2 x PP 2 on 4 ranks: a rank holds 2 of the 4 MoE layers, 4 experts each, kept whole."""
-    from torchtitan.plan.explain import explain
+    from torchtitan.planner.explain import explain
 
     over = ["--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_degree"]
     cfg = parse_args([*dense.BASE, *MOE, *over, "2"])
@@ -125,8 +125,8 @@ def test_explain_counts_the_experts_of_a_pipeline_rank() -> None:
 def test_explain_counts_the_experts_in_its_memory_table() -> None:
     """30B-A3B, EP 8 on 16 ranks: explain's expert lines and the estimate share one count."""
     from tests.unit.test_big_configs import ROOT
-    from torchtitan.plan.explain import explain
-    from torchtitan.plan.moe_memory import layer_expert_elems
+    from torchtitan.planner.explain import explain
+    from torchtitan.planner.moe_memory import layer_expert_elems
 
     path = str(ROOT / "train_configs" / "qwen3_30b_a3b.toml")
     cfg = parse_args(["--job.config_file", path, "--parallelism.expert_parallel_degree", "8"])

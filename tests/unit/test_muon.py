@@ -257,7 +257,7 @@ def test_estimator_counts_one_muon_buffer_and_the_gathers() -> None:
     """Muon's state: AdamW's 8 bytes per element of the embedding/head (R), 4 per block
     element (B), so 2 x Muon - AdamW = 8 R, R being the roots' shard: (2 vocab dim + dim) / 8."""
     from torchtitan.config.manager import parse_args
-    from torchtitan.plan.estimator import estimate_memory
+    from torchtitan.planner.estimator import estimate_memory
 
     est = {}
     for name in ("AdamW", "Muon"):
@@ -273,8 +273,8 @@ def test_explain_prints_the_muon_gather_buffer() -> None:
     """``--job.explain`` prints the estimate's notes: under Muon the gather buffer, with the
     same byte figure the estimator computed."""
     from torchtitan.config.manager import parse_args
-    from torchtitan.plan.estimator import estimate_memory
-    from torchtitan.plan.explain import explain
+    from torchtitan.planner.estimator import estimate_memory
+    from torchtitan.planner.explain import explain
 
     argv = ["--job.config_file", "train_configs/debug_model.toml", "--optimizer.name", "Muon"]
     cfg = parse_args(argv)

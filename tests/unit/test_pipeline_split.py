@@ -1,4 +1,4 @@
-"""Tier 1: pipeline planning (splits, schedules, microbatches), config errors, LOG_RANK words."""
+"""Tier 1: pipeline stage arithmetic (splits, schedules, microbatches), config errors, LOG_RANK words."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 from torchtitan.config import ConfigError, JobConfig, parse_args
 from torchtitan.distributed.pipeline_parallel import split_model
-from torchtitan.distributed.pipeline_plan import (
+from torchtitan.distributed.pipeline_stages import (
     SCHEDULES,
-    PipelinePlan,
+    PipelineStages,
     normalize_schedule_name,
     plan_pipeline,
 )
@@ -20,7 +20,7 @@ from torchtitan.log_ranks import main as log_ranks_main
 from torchtitan.log_ranks import resolve_log_ranks
 from torchtitan.models.common.decoder_plan import pipeline_units
 from torchtitan.models.llama3 import LLAMA3_FLAVORS, Transformer
-from torchtitan.preflight.validate import pipeline_plan, validate_config
+from torchtitan.preflight.validate import pipeline_stages, validate_config
 
 
 def model_units(n_layers: int) -> list[str]:
@@ -44,7 +44,7 @@ def plan(
     microbatch_size: int = -1,
     local_batch_size: int = 8,
     n_layers: int = 6,
-) -> PipelinePlan:
+) -> PipelineStages:
     return plan_pipeline(
         units=model_units(n_layers),
         pp_degree=pp,
@@ -214,13 +214,13 @@ def test_validate_config_runs_the_pipeline_checks() -> None:
         "interleave_1f1b",
     )
     validate_config(cfg, world_size=8)
-    p = pipeline_plan(cfg)
+    p = pipeline_stages(cfg)
     assert p is not None and (p.schedule, p.num_stages, p.n_microbatches) == (
         "Interleaved1F1B",
         4,
         4,
     )
-    assert pipeline_plan(config()) is None
+    assert pipeline_stages(config()) is None
     with pytest.raises(ConfigError, match="pipeline_parallel_schedule"):
         validate_config(config("--parallelism.pipeline_parallel_schedule", "nope"), world_size=1)
     with pytest.raises(ConfigError, match="microbatches"):
@@ -250,7 +250,9 @@ def test_compile_with_a_schedule_that_refuses_compiled_stages(schedule: str) -> 
 
 def test_tied_embeddings_are_refused() -> None:
     with pytest.raises(ConfigError, match="ties the embedding"):
-        pipeline_plan(config("--model.flavor", "1B", "--parallelism.pipeline_parallel_degree", "2"))
+        pipeline_stages(
+            config("--model.flavor", "1B", "--parallelism.pipeline_parallel_degree", "2")
+        )
 
 
 def test_split_model_keeps_full_model_names() -> None:

@@ -1,4 +1,4 @@
-"""Parallelism planner (``python -m torchtitan.plan``) and preflight explain (``--job.explain``).
+"""Parallelism planner (``python -m torchtitan.planner``) and preflight explain (``--job.explain``).
 
 The seed scales: Llama 3 8B on 8, 70B on 256 and 405B on 512 devices of 80 GiB, with the seed
 configs (train_configs/llama3_*.toml) and the Llama 3 vocabulary (128256; the configs point at
@@ -14,9 +14,9 @@ import pytest
 import torch.distributed as dist
 
 from torchtitan.config.manager import parse_args
-from torchtitan.plan.__main__ import main as plan_main
-from torchtitan.plan.estimator import GIB, model_args_for
-from torchtitan.plan.planner import Hardware, PlanResult, plan
+from torchtitan.planner.__main__ import main as plan_main
+from torchtitan.planner.estimator import GIB, model_args_for
+from torchtitan.planner.planner import Hardware, PlanResult, plan
 from torchtitan.preflight.validate import validate_config
 
 # Planning rules as on torch >= 2.13 (V schedules and PP x TP are refused on 2.11).
@@ -207,8 +207,8 @@ def test_config_explain_appends_the_plan_to_the_toml(capsys: pytest.CaptureFixtu
 def test_groups_inside_one_node_use_its_links_not_the_network(layout: dict, term: str) -> None:
     """DDP's all-reduce and the pipeline's sends stay inside the node while the whole mesh
     fits in it: a slower network changes nothing; spread over 8 nodes, it does."""
-    from torchtitan.plan.cost_model import step_time
-    from torchtitan.plan.layout import Layout
+    from torchtitan.planner.cost_model import step_time
+    from torchtitan.planner.layout import Layout
 
     cfg = parse_args(["--job.config_file", str(ROOT / "train_configs" / "llama3_8b.toml")])
     args = model_args_for(cfg, vocab_size=VOCAB)

@@ -1,4 +1,4 @@
-"""The planner proposes the memory levers when no layout fits (docs/planning.md, plan/levers.py),
+"""The planner proposes the memory levers when no layout fits (docs/planning.md, planner/levers.py),
 and the estimator models each lever's bytes (docs/memory.md)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from torchtitan.config.manager import parse_args
-from torchtitan.plan.estimator import GIB, estimate_memory, loss_working_set, model_args_for
-from torchtitan.plan.planner import Hardware, plan
+from torchtitan.planner.estimator import GIB, estimate_memory, loss_working_set, model_args_for
+from torchtitan.planner.planner import Hardware, plan
 from torchtitan.preflight.validate import validate_config
 
 pytestmark = pytest.mark.usefixtures("newest_torch_rules")
@@ -94,7 +94,7 @@ def test_planner_fits_8b_on_one_80gib_device_with_offload() -> None:
 
 
 def test_explain_shows_the_levers() -> None:
-    from torchtitan.plan.explain import explain
+    from torchtitan.planner.explain import explain
 
     argv = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml")]
     text = explain(parse_args(argv), 2, device_type="cpu")

@@ -13,12 +13,12 @@ import pytest
 
 from tests.unit.test_planner import _check_override_line, _plan
 from torchtitan.config.manager import parse_args
-from torchtitan.plan.cost_model import step_time
-from torchtitan.plan.estimator import GIB, estimate_memory, model_args_for
-from torchtitan.plan.layout import Hardware, Layout
-from torchtitan.plan.levers import apply_levers
-from torchtitan.plan.lora_memory import DEQUANT_BYTES, lora_counts
-from torchtitan.plan.planner import summary
+from torchtitan.planner.cost_model import step_time
+from torchtitan.planner.estimator import GIB, estimate_memory, model_args_for
+from torchtitan.planner.layout import Hardware, Layout
+from torchtitan.planner.levers import apply_levers
+from torchtitan.planner.lora_memory import DEQUANT_BYTES, lora_counts
+from torchtitan.planner.planner import summary
 
 pytestmark = pytest.mark.usefixtures("newest_torch_rules")
 

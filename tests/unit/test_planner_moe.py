@@ -1,4 +1,4 @@
-"""The planner and Mixture-of-Experts models (``plan/moe_plan.py``, docs/planning.md "MoE"):
+"""The planner and Mixture-of-Experts models (``planner/moe_plan.py``, docs/planning.md "MoE"):
 expert-parallel degrees come from the validator, the all-to-all term is the explain's volume
 over the right bandwidth, Qwen3-30B-A3B gets an EP layout, dense models never do."""
 
@@ -10,10 +10,10 @@ import pytest
 
 from tests.unit.test_planner import _plan as plan_for
 from torchtitan.config.manager import parse_args
-from torchtitan.plan.estimator import GIB, model_args_for
-from torchtitan.plan.moe_memory import all_to_all_bytes
-from torchtitan.plan.moe_plan import ep_choices
-from torchtitan.plan.planner import Hardware, Layout, PlanResult, step_time
+from torchtitan.planner.estimator import GIB, model_args_for
+from torchtitan.planner.moe_memory import all_to_all_bytes
+from torchtitan.planner.moe_plan import ep_choices
+from torchtitan.planner.planner import Hardware, Layout, PlanResult, step_time
 from torchtitan.preflight.validate import validate_config
 
 pytestmark = pytest.mark.usefixtures("newest_torch_rules")
@@ -93,7 +93,7 @@ def test_a_dense_model_never_gets_ep() -> None:
 def test_moe_recompute_and_tp_terms() -> None:
     """Op-level AC recomputes wk, wo and the routed experts of an MoE block; TP repeats the
     expert FLOPs on every TP rank."""
-    from torchtitan.plan.moe_plan import moe_op_recompute_fraction
+    from torchtitan.planner.moe_plan import moe_op_recompute_fraction
 
     cfg = parse_args(["--job.config_file", MOE_TOML])
     a = model_args_for(cfg, vocab_size=QWEN3_VOCAB)

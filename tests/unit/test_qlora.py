@@ -1,5 +1,5 @@
 """QLoRA (docs/lora.md): the NF4 base computes within NF4's rounding of the bf16 weights, trains
-its adapters with a falling loss, and its tracked tensor memory (``plan/tracker.py``) is below
+its adapters with a falling loss, and its tracked tensor memory (``planner/tracker.py``) is below
 LoRA's, which is below full fine-tuning's (weights, gradients and optimizer state; the tracked
 peak of a step is printed too)."""
 
@@ -13,7 +13,7 @@ from torchtitan.config.job_config import Lora
 from torchtitan.lora.apply import apply_lora, init_adapters
 from torchtitan.lora.qlora import nf4_shard_problem, quantize_base
 from torchtitan.models import MODELS
-from torchtitan.plan.tracker import LiveTensorTracker
+from torchtitan.planner.tracker import LiveTensorTracker
 from torchtitan.tools.torch_compat import torch_version_tuple
 
 pytest.importorskip("torchao")

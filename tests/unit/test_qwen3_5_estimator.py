@@ -15,7 +15,7 @@ from tests.saved_tensors import saved_bytes
 from tests.unit import test_estimator as dense
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models.qwen3_5 import QWEN35_FLAVORS, Qwen35Transformer
-from torchtitan.plan.memory_terms import layer_activations, layer_shapes, stage_shapes
+from torchtitan.planner.memory_terms import layer_activations, layer_shapes, stage_shapes
 
 ONE = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, world_size=1)
 

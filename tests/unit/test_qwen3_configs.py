@@ -96,7 +96,7 @@ def test_explain_moe_lines() -> None:
     """--job.explain of the 30B-A3B config with EP 8 on 16 ranks: closed-form expert figures."""
     from tests.unit.test_big_configs import ROOT
     from torchtitan.config import parse_args
-    from torchtitan.plan.explain import explain
+    from torchtitan.planner.explain import explain
 
     path = str(ROOT / "train_configs" / "qwen3_30b_a3b.toml")
     cfg = parse_args(["--job.config_file", path, "--parallelism.expert_parallel_degree", "8"])
@@ -115,7 +115,7 @@ def test_banner_names_the_family_and_flavor_built() -> None:
     preflight banner names what is built, the config's description only as the job's label."""
     from tests.unit.test_big_configs import ROOT
     from torchtitan.config import parse_args
-    from torchtitan.plan.explain import explain
+    from torchtitan.planner.explain import explain
 
     path = str(ROOT / "train_configs" / "debug_model.toml")
     argv = ["--job.config_file", path, "--model.name", "qwen3", "--model.flavor", "30B-A3B"]

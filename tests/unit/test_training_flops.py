@@ -1,4 +1,4 @@
-"""What MFU counts (plan/lora_memory.py, docs/observability.md "What MFU counts"): the matmul FLOPs
+"""What MFU counts (planner/lora_memory.py, docs/observability.md "What MFU counts"): the matmul FLOPs
 that torch's own FLOP counter sees in one forward and backward, for full training and for a
 frozen base with LoRA adapters (no weight gradients for the base: ``4 N + 6 n``, not ``6 N``)."""
 
@@ -12,7 +12,7 @@ from tests.tiny_args import tiny_llama3
 from torchtitan.config.manager import parse_args
 from torchtitan.lora.apply import apply_lora, init_adapters
 from torchtitan.models import MODELS
-from torchtitan.plan.lora_memory import training_flops_per_token
+from torchtitan.planner.lora_memory import training_flops_per_token
 
 SEQ = 32
 ARGS = tiny_llama3(dim=128, heads=(8, 4), vocab=512, n_layers=8, max_seq_len=SEQ)

@@ -3,7 +3,7 @@
 Prints the resolved config as TOML and exits 0, or prints the error and exits 2. This validates
 the config for any machine (a cluster's layout checks on a laptop); ``--launch`` says this
 machine is about to run it, and adds the fit check against its memory (``job.fit_check``,
-``torchtitan/plan/fit.py``): ``run_train.sh`` passes it, and ``torchtitan.train`` runs the same
+``torchtitan/planner/fit.py``): ``run_train.sh`` passes it, and ``torchtitan.train`` runs the same
 check on every rank. ``--world_size N`` validates for N ranks (default: $WORLD_SIZE or 1); ``--sources`` writes after
 each value where it came from (default, which file, command line, parallelism.auto, derived:
 docs/configs.md); ``--help`` lists every field. With ``--parallelism.auto`` the chosen layout is
@@ -19,9 +19,9 @@ from torchtitan.config.compose import annotate
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import asked_for_help, to_toml
-from torchtitan.plan.auto import load_config
-from torchtitan.plan.explain import explain
-from torchtitan.plan.fit import check_fit
+from torchtitan.planner.auto import load_config
+from torchtitan.planner.explain import explain
+from torchtitan.planner.fit import check_fit
 from torchtitan.preflight.validate import parse_world_size, world_size_from_env
 from torchtitan.tools.logging import logger
 

@@ -216,7 +216,7 @@ class Parallelism:
     """Expert parallel degree (MoE models): the routed experts are split over this many ranks, borrowed from data_parallel_shard_degree (which it must divide); tokens reach their experts by all-to-all. Experts are FSDP-sharded over the remaining dp_shard / ep ranks (docs/parallelisms.md)."""
 
     auto: bool = False
-    """Choose the layout at launch: the planner's fastest layout that fits (python -m torchtitan.plan) replaces the degrees, pipeline schedule and microbatches, local batch, activation checkpointing and memory levers set here; the global batch stays. The log names the choice, the runner-up and the override line that pins it (docs/planning.md)."""
+    """Choose the layout at launch: the planner's fastest layout that fits (python -m torchtitan.planner) replaces the degrees, pipeline schedule and microbatches, local batch, activation checkpointing and memory levers set here; the global batch stays. The log names the choice, the runner-up and the override line that pins it (docs/planning.md)."""
 
     fsdp_cpu_offload: bool = False
     """FSDP2 CPU offload (CPUOffloadPolicy): parameter shards, gradients and optimizer state live in host memory and the optimizer step runs on the CPU; needs FSDP (data_parallel_shard_degree > 1, with or without HSDP, TP, PP); the offload slows each step by the host-device copies (docs/memory.md)."""

@@ -3,5 +3,5 @@ datasets, pretokenized shards and their manifests, mixtures, and the stateful, r
 loaders the trainer draws from (docs/data.md, docs/sft.md).
 
 May import: ``tools``, ``config``, ``distributed``, ``loss`` (the label ignore index). Built by
-``torchtitan.builders``; checked before launch by ``preflight``.
+``torchtitan.training.builders``; checked before launch by ``preflight``.
 """

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from torchtitan.distributed.pipeline_plan import PipelineUnit
+from torchtitan.distributed.pipeline_stages import PipelineUnit
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,10 @@ def divisors(n: int) -> list[int]:
 
 
 @dataclass(frozen=True)
-class BatchPlan:
+class BatchSizes:
     """Sequences per optimizer step and how they are made: ``global_batch_size =
     local_batch_size x dp_degree x grad_accum_steps``. The trainer, validation, explain, the
-    estimator and the planner all take it from ``ParallelDims.batch_plan``."""
+    estimator and the planner all take it from ``ParallelDims.batch_sizes``."""
 
     local_batch_size: int
     dp_degree: int
@@ -200,8 +200,8 @@ class ParallelDims:
     def non_data_parallel_size(self) -> int:
         return self.cp * self.tp * self.pp
 
-    def batch_plan(self, local_batch_size: int, global_batch_size: int) -> BatchPlan:
-        """The batch plan of ``training.local_batch_size`` / ``global_batch_size`` (-1: no
+    def batch_sizes(self, local_batch_size: int, global_batch_size: int) -> BatchSizes:
+        """The batch sizes of ``training.local_batch_size`` / ``global_batch_size`` (-1: no
         accumulation) on these degrees; ConfigError when the global batch does not divide."""
         per_step = local_batch_size * self.dp_degree
         if global_batch_size == -1:
@@ -214,7 +214,7 @@ class ParallelDims:
                 f"{local_batch_size} x {self.dp_degree} = {per_step}",
                 f"use {per_step} (no accumulation) or a multiple such as {2 * per_step}",
             )
-        return BatchPlan(
+        return BatchSizes(
             local_batch_size, self.dp_degree, global_batch_size, global_batch_size // per_step
         )
 

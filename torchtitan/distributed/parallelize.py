@@ -1,13 +1,16 @@
 """Apply a model's parallel plan, in a fixed order, to a model (or one pipeline stage of it).
 
 Order and why (docs/architecture.md, section 5):
-1. Tensor parallel (with sequence and loss parallel) first: it rewrites parameters into DTensors
-   on the ``tp`` axis, which FSDP then shards further on the data axes (2-D).
-2. Context parallel: swaps the attention core for one that gathers K/V over ``cp``.
-3. Activation checkpointing wraps whole blocks, so it must see the final block modules.
-4. torch.compile per block, after AC so the recomputation is compiled too, before FSDP so FSDP's
+1. Expert parallel (MoE models): the experts become DTensors on ``ep`` before anything else, so
+   tensor parallel leaves them alone and FSDP knows to shard them over ``efsdp``.
+2. The deferred output projection (``training.loss_chunk_size`` > 0): the loss will apply it.
+3. Tensor parallel (with sequence and loss parallel): it rewrites parameters into DTensors on the
+   ``tp`` axis, which FSDP then shards further on the data axes (2-D).
+4. Context parallel: swaps the attention core for one that gathers K/V over ``cp``.
+5. Activation checkpointing wraps whole blocks, so it must see the final block modules.
+6. torch.compile per block, after AC so the recomputation is compiled too, before FSDP so FSDP's
    hooks stay outside the compiled graph.
-5. FSDP/HSDP (or DDP) last: it shards whatever parameters the steps above produced.
+7. FSDP/HSDP (or DDP) last: it shards whatever parameters the steps above produced.
 """
 
 from __future__ import annotations

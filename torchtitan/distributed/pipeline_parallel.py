@@ -2,7 +2,7 @@
 
 Three steps, each usable on its own:
 
-1. :func:`torchtitan.distributed.pipeline_plan.plan_from_config` (pure arithmetic) decides the
+1. :func:`torchtitan.distributed.pipeline_stages.plan_from_config` (pure arithmetic) decides the
    schedule, which units each stage owns and the number of microbatches.
 2. :func:`split_model` deep-copies the meta model once per local stage and deletes the modules
    of the units the stage does not own; the parallel plan (TP, FSDP, ...) is then applied to
@@ -30,7 +30,7 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from torchtitan.distributed.pipeline_plan import SCHEDULES, PipelinePlan, PipelineUnit
+from torchtitan.distributed.pipeline_stages import SCHEDULES, PipelineStages, PipelineUnit
 from torchtitan.tools.torch_compat import PIPELINE_STAGE_GET_MESH
 
 
@@ -59,7 +59,7 @@ class Pipeline:
     def __init__(
         self,
         schedule: PipelineScheduleSingle | PipelineScheduleMulti,
-        plan: PipelinePlan,
+        plan: PipelineStages,
         stages: list[PipelineStage],
     ) -> None:
         self.schedule = schedule
@@ -144,7 +144,7 @@ def _stage_kwargs(get_mesh: Callable[[tuple[str, ...]], DeviceMesh] | None) -> d
 
 def build_pipeline(
     parts: Sequence[nn.Module],
-    plan: PipelinePlan,
+    plan: PipelineStages,
     pp_rank: int,
     pp_group: ProcessGroup,
     device: torch.device,

@@ -1,3 +1,3 @@
 """Checks run before launch: config validation (``load_config``, ``validate_config``) and the
-pipeline plan a config asks for. Above ``config``, ``models`` and ``distributed`` in the layering
+pipeline stages a config asks for. Above ``config``, ``models`` and ``distributed`` in the layering
 (docs/architecture.md, section 2)."""

@@ -12,9 +12,9 @@ from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import parse_args
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_plan import (
+from torchtitan.distributed.pipeline_stages import (
     SCHEDULES,
-    PipelinePlan,
+    PipelineStages,
     normalize_schedule_name,
     plan_from_config,
 )
@@ -69,7 +69,7 @@ def load_config(argv: list[str] | None = None, world_size: int | None = None) ->
     return cfg
 
 
-def pipeline_plan(cfg: JobConfig) -> PipelinePlan | None:
+def pipeline_stages(cfg: JobConfig) -> PipelineStages | None:
     """The stages and microbatches the config asks for (None without PP); ConfigError if invalid.
     The trainer, explain, the estimator and the planner all take the plan from here."""
     p = cfg.parallelism
@@ -125,13 +125,13 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
 
     p = cfg.parallelism
     dims = ParallelDims.from_config(p, world_size)
-    pipeline_plan(cfg)  # split, schedule and microbatch checks (no-op without PP)
+    pipeline_stages(cfg)  # split, schedule and microbatch checks (no-op without PP)
     validate_tensor_parallel(cfg, dims.tp)
     validate_context_parallel(cfg, dims.cp, dims.tp)
     validate_attention(cfg, dims.cp)
     validate_expert_parallel(cfg, dims)
     validate_lora(cfg, dims)  # adapters (docs/lora.md)
-    dims.batch_plan(cfg.training.local_batch_size, cfg.training.global_batch_size)
+    dims.batch_sizes(cfg.training.local_batch_size, cfg.training.global_batch_size)
     validate_memory_levers(cfg, world_size)
     validate_optimizer(cfg)  # parameter groups and Muon (docs/optimizers.md)
     validate_paths(cfg)  # dump folder, tokenizer, data files, checkpoint step (touch the disk)

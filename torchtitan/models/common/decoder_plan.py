@@ -43,7 +43,7 @@ from torchtitan.distributed.model_plan import (
     ModelParallelPlan,
     TensorParallelPlan,
 )
-from torchtitan.distributed.pipeline_plan import PipelineUnit
+from torchtitan.distributed.pipeline_stages import PipelineUnit
 
 
 def gather_sequence(n_inputs: int) -> PrepareModuleInput:

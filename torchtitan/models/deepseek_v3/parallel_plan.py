@@ -43,7 +43,7 @@ from torchtitan.distributed.model_plan import (
     ModelParallelPlan,
     TensorParallelPlan,
 )
-from torchtitan.distributed.pipeline_plan import PipelineUnit
+from torchtitan.distributed.pipeline_stages import PipelineUnit
 from torchtitan.distributed.replicate_parallel import ReplicateParallel
 from torchtitan.models.common.decoder_plan import root_plan, swiglu_plan
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args

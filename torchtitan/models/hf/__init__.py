@@ -37,7 +37,7 @@ class HFSpec:
         "generic estimate (hf family): a dense decoder of this config's hidden size, layers, "
         "heads and intermediate size, not this architecture's own modules (docs/hf_models.md)"
     )
-    """What the memory estimator says of its figures for this family (``plan/rank_memory.py``)."""
+    """What the memory estimator says of its figures for this family (``planner/rank_memory.py``)."""
 
     def flavor_key(self, model: Any) -> str:
         """The ``flavors`` key of the model section: ``model.flavor``, carrying

@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan.distributed.model_plan import ModelParallelPlan, TensorParallelPlan
-from torchtitan.distributed.pipeline_plan import PipelineUnit
+from torchtitan.distributed.pipeline_stages import PipelineUnit
 from torchtitan.models.hf.args import HFArgs
 from torchtitan.models.hf.model import decoder_layers_path, meta_model
 

@@ -2,9 +2,9 @@
 the loop.
 
 Read top-down: ``__init__`` is the build order (one named step each; the builders themselves
-are in ``torchtitan/builders.py``), ``train`` is the loop with metrics at ``log_freq``. One
+are in ``torchtitan/training/builders.py``), ``train`` is the loop with metrics at ``log_freq``. One
 optimizer step with gradient accumulation (``train_step`` and what it calls) is in
-``torchtitan/train_step.py``.
+``torchtitan/training/train_step.py``.
 """
 
 from __future__ import annotations
@@ -16,19 +16,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchtitan.builders import (
-    build_checkpointer,
-    build_evaluator,
-    build_loss_fn,
-    build_meta_model,
-    build_metrics,
-    build_model_parts,
-    build_profiling,
-    build_rank_dataloader,
-    build_validator,
-    init_model_weights,
-    peak_flops,
-)
 from torchtitan.checkpoint.manager import CheckpointManager
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_toml
@@ -42,21 +29,34 @@ from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
 from torchtitan.lora.qlora import quantize_base
 from torchtitan.loss.chunked import build_chunked_loss
-from torchtitan.microbatch import MicrobatchRunner, ScaledLoss
 from torchtitan.models import MODELS, model_title, run_args
 from torchtitan.models.common.attention import resolve_attn_backend
 from torchtitan.models.common.moe import set_aux_loss_scale
 from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
 from torchtitan.optim.lr_scheduler import build_lr_scheduler
 from torchtitan.optim.optimizer import build_optimizer
-from torchtitan.plan.auto import check_same_layout
-from torchtitan.plan.lora_memory import training_flops_per_token
-from torchtitan.preflight.validate import pipeline_plan
+from torchtitan.planner.auto import check_same_layout
+from torchtitan.planner.lora_memory import training_flops_per_token
+from torchtitan.preflight.validate import pipeline_stages
 from torchtitan.tools import startup
 from torchtitan.tools.fault_injection import parse_faults
 from torchtitan.tools.logging import init_logger, logger
 from torchtitan.tools.watchdog import Watchdog, configure_flight_recorder
-from torchtitan.train_step import TrainStep
+from torchtitan.training.builders import (
+    build_checkpointer,
+    build_evaluator,
+    build_loss_fn,
+    build_meta_model,
+    build_metrics,
+    build_model_parts,
+    build_profiling,
+    build_rank_dataloader,
+    build_validator,
+    init_model_weights,
+    peak_flops,
+)
+from torchtitan.training.microbatch import MicrobatchRunner, ScaledLoss
+from torchtitan.training.train_step import TrainStep
 
 
 class Trainer:
@@ -65,9 +65,9 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         """Build in order; the config was validated before we got here."""
         self.cfg = cfg
-        self._init_distributed()  # process group, mesh, pipeline plan, log prefix, seeds
+        self._init_distributed()  # process group, mesh, pipeline stages, log prefix, seeds
         startup.mark("process group")
-        self._build_data()  # tokenizer, data loader, batch plan
+        self._build_data()  # tokenizer, data loader, batch sizes
         startup.mark("data")
         self._build_model()  # meta model, converters, parallelisms, weights, pipeline, CP
         self._build_optimizer()  # optimizer and LR schedule
@@ -94,8 +94,10 @@ class Trainer:
             check_same_layout(cfg)
         self.parallel_dims = dims = ParallelDims.from_config(cfg.parallelism, world_size)
         dims.build_mesh(self.device.type)
-        self.pp_plan = pipeline_plan(cfg)
-        self.pp_stage_ids = self.pp_plan.stage_ids(dims.coordinates()["pp"]) if self.pp_plan else []
+        self.pp_stages = pipeline_stages(cfg)
+        self.pp_stage_ids = (
+            self.pp_stages.stage_ids(dims.coordinates()["pp"]) if self.pp_stages else []
+        )
         init_logger(prefix=f"[{dims.describe_rank(self.rank)}{self._stages_text()}] ")
         logger.info(
             f"{model_title(cfg)} (job {cfg.job.description!r}): world size {world_size}, "
@@ -107,9 +109,9 @@ class Trainer:
 
     def _stages_text(self) -> str:
         """Log-prefix suffix naming this rank's pipeline stages, e.g. `` stages=1,3(last)``."""
-        if self.pp_plan is None:
+        if self.pp_stages is None:
             return ""
-        last = self.pp_plan.num_stages - 1 in self.pp_stage_ids
+        last = self.pp_stages.num_stages - 1 in self.pp_stage_ids
         return f" stages={','.join(map(str, self.pp_stage_ids))}" + ("(last)" if last else "")
 
     def _build_data(self) -> None:
@@ -118,7 +120,7 @@ class Trainer:
         self.dataloader = build_rank_dataloader(
             self.cfg, self.parallel_dims, self.tokenizer, t.dataset, t.dataset_path, "train", True
         )
-        self.batch = self.parallel_dims.batch_plan(t.local_batch_size, t.global_batch_size)
+        self.batch = self.parallel_dims.batch_sizes(t.local_batch_size, t.global_batch_size)
         self.grad_accum_steps = self.batch.grad_accum_steps
         # Tokens per step that count for this device: a rank's data-parallel share, divided
         # among the ranks that split the same tokens (TP, CP, PP).
@@ -151,7 +153,7 @@ class Trainer:
             self.model_args,
             model,
             dims,
-            self.pp_plan,
+            self.pp_stages,
             (self.param_dtype, reduce_dtype),
             self.device,
         )
@@ -180,16 +182,16 @@ class Trainer:
             document_positions=cfg.training.document_positions,
         )
         # MoE: the auxiliary loss is seeded in the backward with the loss's scale (docs/moe.md).
-        n_mb = self.pp_plan.n_microbatches if self.pp_plan is not None else 1
+        n_mb = self.pp_stages.n_microbatches if self.pp_stages is not None else 1
         set_aux_loss_scale(self.model_parts, 1.0 / (n_mb * self.grad_accum_steps))
 
     def _build_pipeline(self) -> Pipeline | None:
-        if self.pp_plan is None:
+        if self.pp_stages is None:
             return None
         dims = self.parallel_dims
         pipeline = build_pipeline(
             self.model_parts,
-            self.pp_plan,
+            self.pp_stages,
             pp_rank=dims.coordinates()["pp"],
             pp_group=dims.get_mesh("pp").get_group(),
             device=self.device,
@@ -198,11 +200,11 @@ class Trainer:
                 dims.get_mesh(names[0]) if len(names) == 1 else dims.world_mesh[names]
             ),
         )
-        n_mb = self.pp_plan.n_microbatches
+        n_mb = self.pp_stages.n_microbatches
         mb = self.cfg.training.local_batch_size // n_mb
         logger.info(
-            f"pipeline {self.pp_plan.schedule}: {self.pp_plan.num_stages} stages, {n_mb} "
-            f"microbatches of {mb} sequence{'s' if mb > 1 else ''}; {self.pp_plan.describe()}"
+            f"pipeline {self.pp_stages.schedule}: {self.pp_stages.num_stages} stages, {n_mb} "
+            f"microbatches of {mb} sequence{'s' if mb > 1 else ''}; {self.pp_stages.describe()}"
         )
         return pipeline
 
@@ -250,7 +252,7 @@ class Trainer:
         logger.info(f"peak {self.param_dtype} FLOP/s for MFU: {peak[0] / 1e12:.3f} T ({peak[1]})")
         flops = training_flops_per_token(cfg, self.model_args)  # a frozen base counted as such
         self.metrics, writers = build_metrics(
-            cfg, self.parallel_dims, self.pp_plan, self.device, self.rank, flops, peak
+            cfg, self.parallel_dims, self.pp_stages, self.device, self.rank, flops, peak
         )
         mixture_tokens = getattr(self.dataloader.dataset, "metrics_fields", None)
         if mixture_tokens is not None:  # tokens each mixture source has given (docs/data.md)
@@ -368,7 +370,7 @@ class Trainer:
             )
 
     def _build_step(self) -> None:
-        self.steps = TrainStep(
+        self.stepper = TrainStep(
             self.runner,
             self.optimizer,
             self.lr_scheduler,
@@ -385,7 +387,7 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Step ``self.step``: its (loss, grad norm) as device scalars."""
-        return self.steps.run(self.step)
+        return self.stepper.run(self.step)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
@@ -406,8 +408,8 @@ class Trainer:
             group = self.optimizer.param_groups[0]  # the schedule's lr (x1, docs/optimizers.md)
             lr = group["lr"] / group.get("lr_mult", 1.0)
             loss, grad_norm = self.train_step()
-            if self.steps.rollback_pending:
-                resumed = self.steps.rollback(self.step)
+            if self.stepper.rollback_pending:
+                resumed = self.stepper.rollback(self.step)
                 if resumed is not None:
                     self.step = resumed
                     continue

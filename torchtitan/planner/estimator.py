@@ -38,7 +38,7 @@ from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models import MODELS, flavor_of, run_args
 from torchtitan.models.spec import DecoderShape as ModelArgs
-from torchtitan.plan.memory_terms import (
+from torchtitan.planner.memory_terms import (
     GIB,
     MemoryEstimate,
     block_activation_bytes,
@@ -50,8 +50,8 @@ from torchtitan.plan.memory_terms import (
     optimizer_state_bytes_per_param,
     param_dtype_bytes,
 )
-from torchtitan.plan.rank_memory import RankMemory
-from torchtitan.preflight.validate import pipeline_plan
+from torchtitan.planner.rank_memory import RankMemory
+from torchtitan.preflight.validate import pipeline_stages
 
 __all__ = [
     "GIB",
@@ -110,7 +110,7 @@ def estimate_memory(
     """
     a = model_args or model_args_for(cfg)
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    plan = pipeline_plan(cfg)
+    plan = pipeline_stages(cfg)
     estimates = [
         RankMemory(cfg, a, dims, plan, r, device_type, steady_state).estimate()
         for r in (range(dims.pp if plan else 1) if pp_rank is None else [pp_rank])

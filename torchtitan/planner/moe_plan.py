@@ -27,7 +27,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims, divisors
 from torchtitan.models import flavor_args
-from torchtitan.plan.moe_memory import all_to_all_bytes, moe_of
+from torchtitan.planner.moe_memory import all_to_all_bytes, moe_of
 from torchtitan.preflight.validate_moe import validate_expert_parallel
 
 __all__ = [

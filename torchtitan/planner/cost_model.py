@@ -8,8 +8,8 @@
                 ``fsdp_overlap`` of the compute, the rest exposed
     pp_p2p    = stage-boundary activations and gradients
     all_to_all, moe_tp = expert parallel's token exchange and TP-replicated expert compute
-                (MoE models, ``plan/moe_plan.py``)
-    lora      = adapters on a frozen base (``plan/lora_memory.py``): the base's backward skips
+                (MoE models, ``planner/moe_plan.py``)
+    lora      = adapters on a frozen base (``planner/lora_memory.py``): the base's backward skips
                 the weight-gradient matmuls, FSDP reduces and the optimizer steps the adapters
                 only; ``nf4_dequant``, QLoRA's dequantization per matmul
     step      = compute + bubble + tp + cp + exposed fsdp + pp_p2p + all_to_all + moe_tp
@@ -26,17 +26,17 @@ from __future__ import annotations
 from torchtitan.config.job_config import JobConfig
 from torchtitan.models import MODELS
 from torchtitan.models.spec import DecoderShape as ModelArgs
-from torchtitan.plan.estimator import block_params, param_dtype_bytes
-from torchtitan.plan.layout import Hardware, Layout
-from torchtitan.plan.levers import chunked_loss_seconds, offload_seconds
-from torchtitan.plan.lora_memory import lora_shares, training_flops_per_token
-from torchtitan.plan.moe_plan import (
+from torchtitan.planner.estimator import block_params, param_dtype_bytes
+from torchtitan.planner.layout import Hardware, Layout
+from torchtitan.planner.levers import chunked_loss_seconds, offload_seconds
+from torchtitan.planner.lora_memory import lora_shares, training_flops_per_token
+from torchtitan.planner.moe_plan import (
     active_block_params,
     expert_params,
     moe_op_recompute_fraction,
     moe_step_terms,
 )
-from torchtitan.preflight.validate import pipeline_plan
+from torchtitan.preflight.validate import pipeline_stages
 
 __all__ = ["step_time"]
 
@@ -89,9 +89,9 @@ def step_time(
     all_blocks = a.n_layers * active_block_params(a, block_params(a))
     block_flops_fwd_token = 2 * all_blocks + 4 * a.n_layers * a.n_heads * a.head_dim * seq
     peak = hw.peak_tflops * 1e12 * hw.mfu
-    # The model's matmuls, a frozen base's missing weight gradients included (plan/lora_memory.py)
+    # The model's matmuls, a frozen base's missing weight gradients included (planner/lora_memory.py)
     compute = tokens_device * training_flops_per_token(layout.apply(cfg), a) / peak
-    lora = lora_shares(layout.apply(cfg), a)  # adapters: plan/lora_memory.py
+    lora = lora_shares(layout.apply(cfg), a)  # adapters: planner/lora_memory.py
     recompute = (
         tokens_device
         * block_flops_fwd_token
@@ -127,7 +127,7 @@ def step_time(
         else 0.0
     )
     # FSDP / HSDP / DDP: this rank's parameters (after TP and PP); routed experts apart (replicated
-    # over TP, E / ep of them gathered over efsdp = dp_shard / ep, plan/moe_plan.py).
+    # over TP, E / ep of them gathered over efsdp = dp_shard / ep, planner/moe_plan.py).
     experts = expert_params(a)
     params_rank = (MODELS[cfg.model.name].num_params(a) - experts) / layout.tp / layout.pp
     experts_rank = experts / layout.pp / layout.ep
@@ -176,7 +176,7 @@ def step_time(
     pp_p2p = 0.0
     if layout.pp > 1:
         mb = layout.microbatches
-        plan = pipeline_plan(layout.apply(cfg))
+        plan = pipeline_stages(layout.apply(cfg))
         assert plan is not None
         v = plan.stages_per_rank
         # The pipeline runs at the pace of its busiest rank; the head (output projection and

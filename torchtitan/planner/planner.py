@@ -1,11 +1,11 @@
 """Parallelism planner: enumerate layouts, drop those that do not fit, rank the rest by speed.
 
-A layout (``plan/layout.py``) is (dp_replicate, dp_shard, tp, pp, cp, expert parallel,
+A layout (``planner/layout.py``) is (dp_replicate, dp_shard, tp, pp, cp, expert parallel,
 activation checkpointing, gradient-accumulation steps, pipeline schedule and microbatches) on
 ``world_size`` devices of ``gpus_per_node`` each. The global batch (sequences per optimizer step)
 is the config's and stays fixed, so every layout trains the same thing; the local batch follows
-from the data-parallel degree. Each layout that fits (``plan/estimator.py``) gets a step time
-(``plan/cost_model.py``); the fastest come first, the simplest among those within
+from the data-parallel degree. Each layout that fits (``planner/estimator.py``) gets a step time
+(``planner/cost_model.py``); the fastest come first, the simplest among those within
 ``prefer_simpler_within`` of the fastest first of all.
 
 The model is coarse (no kernel-efficiency curve, no compute/communication contention), which is
@@ -23,12 +23,12 @@ from torchtitan.distributed.parallel_dims import ParallelDims, divisors
 from torchtitan.distributed.tensor_parallel import tp_problem
 from torchtitan.models import MODELS
 from torchtitan.models.spec import DecoderShape as ModelArgs
-from torchtitan.plan.cost_model import step_time
-from torchtitan.plan.estimator import GIB, estimate_memory, format_bytes
-from torchtitan.plan.layout import Hardware, Layout, PlanResult
-from torchtitan.plan.levers import LEVER_SETS, NAMES
-from torchtitan.plan.moe_plan import ep_choices
-from torchtitan.preflight.validate import pipeline_plan
+from torchtitan.planner.cost_model import step_time
+from torchtitan.planner.estimator import GIB, estimate_memory, format_bytes
+from torchtitan.planner.layout import Hardware, Layout, PlanResult
+from torchtitan.planner.levers import LEVER_SETS, NAMES
+from torchtitan.planner.moe_plan import ep_choices
+from torchtitan.preflight.validate import pipeline_stages
 
 __all__ = [
     "AC_CHOICES",
@@ -60,7 +60,7 @@ def global_batch_of(cfg: JobConfig, world_size: int) -> int:
     """Sequences per optimizer step the config asks for on ``world_size`` ranks."""
     t = cfg.training
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    return dims.batch_plan(t.local_batch_size, t.global_batch_size).global_batch_size
+    return dims.batch_sizes(t.local_batch_size, t.global_batch_size).global_batch_size
 
 
 def _tp_ok(cfg: JobConfig, a: ModelArgs, tp: int, seq: int) -> bool:
@@ -134,7 +134,7 @@ def _pp_choices(cfg: JobConfig, a: ModelArgs, pp: int, local: int) -> list[tuple
         trial.parallelism.pipeline_parallel_layers_per_stage = -1
         trial.training.local_batch_size = local
         try:
-            pipeline_plan(trial)
+            pipeline_stages(trial)
         except ConfigError:
             continue
         choices.append((schedule, mb))
@@ -146,7 +146,7 @@ def plan(
 ) -> tuple[list[PlanResult], int, int]:
     """Fitting layouts, fastest first; plus how many were enumerated and how many did not fit."""
     layouts = enumerate_layouts(cfg, a, world_size, hw)
-    # No lever first; when nothing fits, the lever sets of plan/levers.py, cheapest first.
+    # No lever first; when nothing fits, the lever sets of planner/levers.py, cheapest first.
     full = [lv for lv in LEVER_SETS if "lora" not in lv]
     results, too_big = _first_fitting(cfg, a, world_size, hw, layouts, full)
     if not results or any("cpu_offload" in r.layout.levers for r in results[:1]):

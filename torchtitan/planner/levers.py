@@ -20,7 +20,7 @@ elements::
 eight GPUs sharing host links and memory, ~25 is what one device sees) and
 ``host_memory_gbps`` to 10 GB/s per device (a two-socket host's ~400 GB/s shared by eight GPUs'
 optimizer threads, at the ~20% a PyTorch CPU AdamW reaches): both are options of
-``python -m torchtitan.plan``.
+``python -m torchtitan.planner``.
 """
 
 from __future__ import annotations

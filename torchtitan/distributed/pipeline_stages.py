@@ -1,4 +1,4 @@
-"""Pipeline planning: pure arithmetic from the config to a :class:`PipelinePlan` (no process
+"""Pipeline stages: pure arithmetic from the config to a :class:`PipelineStages` (no process
 group, no model). Config validation, the trainer, ``--job.explain``, the estimator and the
 planner all call :func:`plan_from_config`, so they agree on the stages by construction
 (docs/architecture.md, section 4).
@@ -93,7 +93,7 @@ class PipelineUnit:
 
 
 @dataclass(frozen=True)
-class PipelinePlan:
+class PipelineStages:
     schedule: str
     """Canonical schedule name (a key of ``SCHEDULES``)."""
     pp_degree: int
@@ -203,7 +203,7 @@ def _even_starts(n_units: int, num_stages: int) -> list[int]:
 
 def plan_from_config(
     p: Parallelism, units: Sequence[str], local_batch_size: int
-) -> PipelinePlan | None:
+) -> PipelineStages | None:
     """``plan_pipeline`` for a ``[parallelism]`` section and the model's pipeline unit names
     (None without pipeline parallel)."""
     if p.pipeline_parallel_degree <= 1:
@@ -230,7 +230,7 @@ def plan_pipeline(
     microbatches: int,
     microbatch_size: int,
     local_batch_size: int,
-) -> PipelinePlan:
+) -> PipelineStages:
     """Check a pipeline configuration and decide the stages and microbatches (no process group)."""
     name = normalize_schedule_name(schedule)
     reason = (
@@ -245,7 +245,7 @@ def plan_pipeline(
     )
     bounds = [0, *starts, len(units)]
     stage_units = tuple(tuple(units[a:b]) for a, b in zip(bounds, bounds[1:]))
-    return PipelinePlan(name, pp_degree, stage_units, n_mb)
+    return PipelineStages(name, pp_degree, stage_units, n_mb)
 
 
 def _stage_starts(

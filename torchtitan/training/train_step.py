@@ -24,10 +24,10 @@ from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
 from torchtitan.loss.cross_entropy import global_loss_scale, unmasked_tokens
 from torchtitan.metrics.processor import MetricsProcessor
-from torchtitan.microbatch import Batch, MicrobatchRunner
 from torchtitan.models.common.moe import update_expert_bias
 from torchtitan.tools.fault_injection import Faults
 from torchtitan.tools.logging import logger
+from torchtitan.training.microbatch import Batch, MicrobatchRunner
 
 
 @dataclass

@@ -12,10 +12,10 @@ from typing import Any
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_plan import SCHEDULES, PipelinePlan
+from torchtitan.distributed.pipeline_stages import SCHEDULES, PipelineStages
 from torchtitan.distributed.utils import resolve_dtype
 from torchtitan.models.spec import DecoderShape as ModelArgs
-from torchtitan.plan import moe_memory as moe_terms
+from torchtitan.planner import moe_memory as moe_terms
 
 GIB = 1024**3
 
@@ -342,7 +342,7 @@ def checkpoint_mode(layer: int, mode: str, option: int | str) -> str:
     return "none"
 
 
-def in_flight_microbatches(plan: PipelinePlan | None, pp_rank: int) -> int:
+def in_flight_microbatches(plan: PipelineStages | None, pp_rank: int) -> int:
     """Microbatch-stages whose activations a pipeline rank holds at its peak, per schedule."""
     if plan is None:
         return 1

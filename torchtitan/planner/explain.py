@@ -18,7 +18,7 @@ from torchtitan.distributed.parallel_dims import AXES, ParallelDims
 from torchtitan.distributed.utils import device_type as detect_device_type
 from torchtitan.models import MODELS, model_title
 from torchtitan.models.common.attention import resolve_attn_backend
-from torchtitan.plan.estimator import (
+from torchtitan.planner.estimator import (
     GIB,
     MemoryEstimate,
     estimate_memory,
@@ -26,8 +26,8 @@ from torchtitan.plan.estimator import (
     in_flight_microbatches,
     model_args_for,
 )
-from torchtitan.plan.moe_explain import moe_lines
-from torchtitan.preflight.validate import pipeline_plan
+from torchtitan.planner.moe_explain import moe_lines
+from torchtitan.preflight.validate import pipeline_stages
 
 _AXIS_TEXT = {
     "pp": "pipeline stages",
@@ -58,7 +58,7 @@ def memory_levers_line(cfg: JobConfig, est: MemoryEstimate) -> str:
     return "memory levers: " + (
         "; ".join(on)
         if on
-        else "none (python -m torchtitan.plan proposes them when a layout does not fit)"
+        else "none (python -m torchtitan.planner proposes them when a layout does not fit)"
     )
 
 
@@ -81,7 +81,7 @@ def explain(
     t, p = cfg.training, cfg.parallelism
     dims = ParallelDims.from_config(p, world_size)
     args = model_args_for(cfg)
-    plan = pipeline_plan(cfg)
+    plan = pipeline_stages(cfg)
     lines: list[str] = []
     warnings: list[str] = []
     add = lines.append
@@ -102,7 +102,7 @@ def explain(
         f"data loading over dp_replicate x dp_shard = {dims.dp_degree}"
     )
 
-    batch = dims.batch_plan(t.local_batch_size, t.global_batch_size)
+    batch = dims.batch_sizes(t.local_batch_size, t.global_batch_size)
     global_batch, accum = batch.global_batch_size, batch.grad_accum_steps
     seq_rank = t.seq_len // dims.cp
     add("batch:")
@@ -172,7 +172,7 @@ def _warnings(
         out.append(
             f"the estimate ({est.total / GIB:.1f} GiB) exceeds the device memory "
             f"({device_memory_bytes / GIB:.1f} GiB): expect out-of-memory; try activation "
-            "checkpointing, more FSDP shards, or `python -m torchtitan.plan`"
+            "checkpointing, more FSDP shards, or `python -m torchtitan.planner`"
         )
     if dims.fsdp_enabled and accum > 1 and not dims.pp_enabled:
         out.append(

@@ -25,7 +25,7 @@ from torchtitan.distributed.float8 import apply_float8
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import split_model
-from torchtitan.distributed.pipeline_plan import PipelinePlan
+from torchtitan.distributed.pipeline_stages import PipelineStages
 from torchtitan.eval.harness import Evaluator, make_lm
 from torchtitan.eval.validation_loss import Validator
 from torchtitan.lora.apply import (
@@ -164,20 +164,20 @@ def build_model_parts(
     args: Any,
     model: nn.Module,
     dims: ParallelDims,
-    pp_plan: PipelinePlan | None,
+    pp_stages: PipelineStages | None,
     dtypes: tuple[torch.dtype, torch.dtype],
     device: torch.device,
 ) -> list[nn.Module]:
     """The modules this rank trains, parallelized, materialized and initialized: the model, or
     under PP one copy of the meta model per local stage with only what that stage owns."""
     plan = spec.parallel_plan(args)
-    if pp_plan is None:
+    if pp_stages is None:
         parts = [model]
     else:
         pp_rank = dims.coordinates()["pp"]
         parts = [
-            split_model(model, plan.pipeline_units, pp_plan.stage_units[i])
-            for i in pp_plan.stage_ids(pp_rank)
+            split_model(model, plan.pipeline_units, pp_stages.stage_units[i])
+            for i in pp_stages.stage_ids(pp_rank)
         ]
     parts = [parallelize(part, plan, dims, cfg, *dtypes) for part in parts]
     startup.mark("parallelize")
@@ -243,7 +243,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
 def build_metrics(
     cfg: JobConfig,
     dims: ParallelDims,
-    pp_plan: PipelinePlan | None,
+    pp_stages: PipelineStages | None,
     device: torch.device,
     rank: int,
     flops_per_token: int,
@@ -271,8 +271,8 @@ def build_metrics(
         peak_flops=peak[0],
         peak_flops_source=peak[1],
         writers=writers,
-        pp_mesh=dims.get_mesh("pp") if pp_plan else None,
-        pp_loss_rank=pp_plan.last_stage_pp_rank if pp_plan else 0,
+        pp_mesh=dims.get_mesh("pp") if pp_stages else None,
+        pp_loss_rank=pp_stages.last_stage_pp_rank if pp_stages else 0,
         memory_monitor=memory,
         cross_rank_view=m.enable_cross_rank_view or cfg.fault_tolerance.straggler_margin > 0,
         stragglers=StragglerFlag(

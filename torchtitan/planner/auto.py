@@ -1,14 +1,14 @@
 """``--parallelism.auto``: the planner's top layout, chosen at launch (docs/planning.md,
 "A layout chosen at launch").
 
-Once the world size, the device memory and the model are known, ``plan`` (plan/planner.py)
+Once the world size, the device memory and the model are known, ``plan`` (planner/planner.py)
 ranks the layouts that fit and the first one replaces the config's layout fields (degrees,
 pipeline schedule and microbatches, local batch, activation checkpointing, memory levers); the
 global batch stays the config's. The choice is a pure function of the config, the world size and
 the hardware facts of ``hardware_facts`` (the device's name and total memory, the ranks per node:
 the same on every rank of a homogeneous job), and ``check_same_layout`` all-gathers it at start
 so that a rank that chose differently stops the job before any mesh is built. The entry points
-(train.py, config/__main__.py) call ``load_config``; preflight cannot (it sits below plan/).
+(train.py, config/__main__.py) call ``load_config``; preflight cannot (it sits below planner/).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import iter_fields, parse_args_with_sources, to_toml
 from torchtitan.distributed.utils import device_type
-from torchtitan.plan.estimator import GIB, format_bytes, model_args_for
-from torchtitan.plan.layout import Hardware
-from torchtitan.plan.planner import plan
+from torchtitan.planner.estimator import GIB, format_bytes, model_args_for
+from torchtitan.planner.layout import Hardware
+from torchtitan.planner.planner import plan
 from torchtitan.preflight.validate import validate_config, world_size_from_env
 from torchtitan.tools.peak_flops import DATASHEET_PEAK_TFLOPS
 
@@ -105,7 +105,7 @@ def choose(cfg: JobConfig, world_size: int, hw: Hardware) -> tuple[JobConfig, st
             True,
             f"none of the {enumerated} layouts on {world_size} ranks fits in "
             f"{(1 - hw.headroom) * hw.memory_gib:.1f} GiB per device, even with the memory levers",
-            "; ".join(LEVERS) + " (or set the layout by hand: python -m torchtitan.plan)",
+            "; ".join(LEVERS) + " (or set the layout by hand: python -m torchtitan.planner)",
         )
     best = results[0]
     line = (

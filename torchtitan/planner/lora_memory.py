@@ -2,7 +2,7 @@
 the base is frozen (stored, no gradients, no optimizer state), the adapters are trained (fp32
 weights, gradients and moments), and under QLoRA the adapted projections are stored in NF4.
 
-Step time (``plan/cost_model.py``), per token: a frozen matmul still needs its input gradient
+Step time (``planner/cost_model.py``), per token: a frozen matmul still needs its input gradient
 but not its weight gradient, so the backward of the base is 1x its forward instead of 2x
 (``6 N`` becomes ``4 N``); the adapters cost their own ``6 n``. FSDP reduces the adapter
 gradients only and gathers the NF4 bytes of a QLoRA base; the optimizer steps the adapters only.

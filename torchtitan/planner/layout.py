@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torchtitan.config.job_config import JobConfig
-from torchtitan.plan.estimator import MemoryEstimate
-from torchtitan.plan.levers import NAMES, apply_levers, lever_overrides
+from torchtitan.planner.estimator import MemoryEstimate
+from torchtitan.planner.levers import NAMES, apply_levers, lever_overrides
 
 __all__ = ["Hardware", "Layout", "PlanResult"]
 
@@ -43,9 +43,9 @@ class Hardware:
     """Fraction of the memory kept free: a layout fits when its estimate is at most
     (1 - headroom) x memory_gib (the estimator is calibrated to about 10%)."""
     host_device_gbps: float = 25.0
-    """Host-device bandwidth one device sees, GB/s, for CPU offload's copies (plan/levers.py)."""
+    """Host-device bandwidth one device sees, GB/s, for CPU offload's copies (planner/levers.py)."""
     host_memory_gbps: float = 10.0
-    """Host memory bandwidth one device's CPU optimizer step gets, GB/s (plan/levers.py)."""
+    """Host memory bandwidth one device's CPU optimizer step gets, GB/s (planner/levers.py)."""
     sync_us: float = 0.0
     """What each blocking collective between two computations costs beyond its bytes and latency:
     the ranks' skew (the later rank sets the pace) and the waiting rank's wake-up. Charged to
@@ -78,9 +78,9 @@ class Layout:
     schedule: str = "1F1B"
     microbatches: int = -1
     levers: tuple[str, ...] = ()
-    """Memory levers switched on (``plan/levers.py``)."""
+    """Memory levers switched on (``planner/levers.py``)."""
     ep: int = 1
-    """Expert parallel degree, borrowed from ``dp_shard`` (MoE models, ``plan/moe_plan.py``)."""
+    """Expert parallel degree, borrowed from ``dp_shard`` (MoE models, ``planner/moe_plan.py``)."""
 
     @property
     def accumulation(self) -> int:

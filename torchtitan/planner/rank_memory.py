@@ -11,13 +11,13 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.activation_checkpoint import parse_selective_option
 from torchtitan.distributed.data_parallel import reshard_policy
 from torchtitan.distributed.parallel_dims import ParallelDims
-from torchtitan.distributed.pipeline_plan import PipelinePlan
+from torchtitan.distributed.pipeline_stages import PipelineStages
 from torchtitan.distributed.utils import resolve_dtype
 from torchtitan.models import MODELS
 from torchtitan.models.spec import DecoderShape as ModelArgs
-from torchtitan.plan import moe_memory as moe_terms
-from torchtitan.plan.lora_memory import NF4_BYTES, lora_counts
-from torchtitan.plan.memory_terms import (
+from torchtitan.planner import moe_memory as moe_terms
+from torchtitan.planner.lora_memory import NF4_BYTES, lora_counts
+from torchtitan.planner.memory_terms import (
     MUON_BUFFER_BYTES,
     MemoryEstimate,
     block_backward_bytes,
@@ -65,7 +65,7 @@ class RankMemory:
         cfg: JobConfig,
         a: ModelArgs,
         dims: ParallelDims,
-        plan: PipelinePlan | None,
+        plan: PipelineStages | None,
         pp_rank: int,
         device_type: str,
         steady_state: bool,
@@ -159,7 +159,7 @@ class RankMemory:
 
     def _hold_lora(self, param_elems: int, steady_state: bool) -> None:
         """LoRA: a frozen base (no gradients or moments), trained fp32 adapters; QLoRA stores
-        the adapted weights in NF4 (plan/lora_memory.py)."""
+        the adapted weights in NF4 (planner/lora_memory.py)."""
         lo = self.cfg.lora
         c = lora_counts(self.cfg.model.name, self.a, lo)
         share = param_elems / max(c.total, 1)
@@ -281,7 +281,7 @@ class RankMemory:
         accumulate unsharded (in the reduce dtype) and the parameters stay gathered until the
         step's end."""
         t, dims, plan, act = self.cfg.training, self.dims, self.plan, self.act
-        accum = dims.batch_plan(t.local_batch_size, t.global_batch_size).grad_accum_steps
+        accum = dims.batch_sizes(t.local_batch_size, t.global_batch_size).grad_accum_steps
         self.steady = plan is not None and self.n_mb * self.stages > self.in_flight
         self.reduce_bytes = (
             resolve_dtype(t.mixed_precision_reduce, self.device_type).itemsize if act != 4 else 4

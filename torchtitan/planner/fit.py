@@ -3,7 +3,7 @@
 At launch only: ``python -m torchtitan.config --launch`` (which ``run_train.sh`` runs before
 torchrun) and ``python -m torchtitan.train`` call :func:`check_fit` after ``load_config``
 (validating alone, without ``--launch``, does not: a cluster's layout checks on a laptop); it lives here, not in
-``preflight/``, because it needs the estimator (docs/architecture.md, section 2: ``plan/`` may
+``preflight/``, because it needs the estimator (docs/architecture.md, section 2: ``planner/`` may
 import ``preflight/``, not the reverse). docs/planning.md, "Fit before launch":
 
 - CUDA: the per-rank peak against the free memory of the rank's GPU (``torch.cuda.mem_get_info``).
@@ -29,7 +29,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.utils import device_type as detect_device_type
 from torchtitan.models import MODELS, flavor_of
-from torchtitan.plan.estimator import GIB, estimate_memory
+from torchtitan.planner.estimator import GIB, estimate_memory
 from torchtitan.tools.logging import logger
 
 WARN_FRACTION = 0.9
@@ -143,7 +143,7 @@ def check_fit(
                 mode,
                 f"the job does not fit: {text}",
                 "shorten training.seq_len or training.local_batch_size, use more ranks or the "
-                "memory levers (python -m torchtitan.plan proposes a layout), or set "
+                "memory levers (python -m torchtitan.planner proposes a layout), or set "
                 "--job.fit_check warn (or off) to launch anyway",
             )
         if b.share > WARN_FRACTION:

@@ -1,8 +1,8 @@
-"""``python -m torchtitan.plan --job.config_file F --world_size N --device_memory_gib M [...]``.
+"""``python -m torchtitan.planner --job.config_file F --world_size N --device_memory_gib M [...]``.
 
 Enumerates parallel layouts for the config's model and global batch on ``N`` devices, drops
 those whose memory estimate does not fit, and prints the fastest (see
-``torchtitan/plan/cost_model.py`` for the cost model) with the override line that runs each.
+``torchtitan/planner/cost_model.py`` for the cost model) with the override line that runs each.
 
 Planner options (everything else is a config override, as for ``torchtitan.train``):
   --world_size N            devices in the job (required)
@@ -29,9 +29,9 @@ from dataclasses import replace
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
 from torchtitan.models import MODELS
-from torchtitan.plan.auto import device_peak_tflops
-from torchtitan.plan.estimator import format_bytes, model_args_for
-from torchtitan.plan.planner import Hardware, plan, summary
+from torchtitan.planner.auto import device_peak_tflops
+from torchtitan.planner.estimator import format_bytes, model_args_for
+from torchtitan.planner.planner import Hardware, plan, summary
 
 # option -> (type, the smallest value, whether the smallest is excluded, the fix)
 _OPTIONS: dict[str, tuple[type, float, bool, str]] = {

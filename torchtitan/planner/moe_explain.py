@@ -2,7 +2,7 @@
 the experts each rank holds and their memory, and the all-to-all volume of expert parallel.
 
 Closed form, so it costs nothing for the 235B flavor. The expert elements per rank and the
-all-to-all bytes come from ``plan/moe_memory.py``, the functions the memory estimate (printed
+all-to-all bytes come from ``planner/moe_memory.py``, the functions the memory estimate (printed
 below these lines, experts included) and the planner use.
 """
 
@@ -13,19 +13,19 @@ from typing import Any
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.models import MODELS
-from torchtitan.plan.estimator import (
+from torchtitan.planner.estimator import (
     format_bytes,
     master_weight_bytes,
     optimizer_state_bytes_per_param,
     param_dtype_bytes,
 )
-from torchtitan.plan.moe_memory import (
+from torchtitan.planner.moe_memory import (
     all_to_all_bytes,
     expert_layout,
     layer_expert_elems,
     moe_layers_per_rank,
 )
-from torchtitan.preflight.validate import pipeline_plan
+from torchtitan.preflight.validate import pipeline_stages
 
 
 def moe_lines(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str) -> list[str]:
@@ -71,7 +71,7 @@ def moe_lines(cfg: JobConfig, args: Any, dims: ParallelDims, device_type: str) -
 
 def _blocks_of_ranks(cfg: JobConfig, args: Any) -> list[list[int]]:
     """Each pipeline rank's block ids (all blocks on one rank without pipeline parallel)."""
-    plan = pipeline_plan(cfg)
+    plan = pipeline_stages(cfg)
     if plan is None:
         return [list(range(args.n_layers))]
     prefix = MODELS[cfg.model.name].parallel_plan(args).blocks + "."
