@@ -4,30 +4,19 @@ plan and Hugging Face mapping, as a ``FamilySpec``."""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
-
 from torchtitan.models.qwen3_5_vl.args import QWEN35_VL_FLAVORS, Qwen35VLArgs
 from torchtitan.models.qwen3_5_vl.hf import QWEN35_VL_HF, Qwen35VLStateDictAdapter
 from torchtitan.models.qwen3_5_vl.model import Qwen35VLModel
 from torchtitan.models.qwen3_5_vl.parallel_plan import qwen35_vl_parallel_plan
 from torchtitan.models.spec import FamilySpec
 
-
-@dataclasses.dataclass(frozen=True)
-class Qwen35VLSpec(FamilySpec):
-    def state_dict_adapter(self, args: Any) -> Qwen35VLStateDictAdapter:
-        return Qwen35VLStateDictAdapter(QWEN35_VL_HF, args)
-
-
-qwen3_5_vl_spec = Qwen35VLSpec(
-    "qwen3_5_vl",
-    QWEN35_VL_FLAVORS,
-    Qwen35VLModel,
-    qwen35_vl_parallel_plan,
-    QWEN35_VL_HF,
-    (),  # the multimodal model types are read by qwen3_5 (its text decoder) by default
+qwen3_5_vl_spec = FamilySpec(
+    name="qwen3_5_vl", flavors=QWEN35_VL_FLAVORS, model=Qwen35VLModel,
+    plan=qwen35_vl_parallel_plan, hf=QWEN35_VL_HF,
+    # the multimodal model types are read by qwen3_5 (its text decoder) by default
+    hf_model_types=(),
+    adapter=Qwen35VLStateDictAdapter,  # the tower under model.visual. (hf.py)
     lora_targets=(),
-)
+)  # fmt: skip
 
 __all__ = ["QWEN35_VL_FLAVORS", "Qwen35VLArgs", "Qwen35VLModel", "qwen3_5_vl_spec"]
