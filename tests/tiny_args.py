@@ -108,6 +108,23 @@ def tiny_qwen3_5(**extra: Any) -> Any:
     return Qwen35Args(**shape)
 
 
+def tiny_qwen3_5_vl(**extra: Any) -> Any:
+    """:func:`tiny_qwen3_5` with a 2-block, 32-wide vision tower over 4-pixel patches (a 4 x 4
+    position table), the placeholder id 250."""
+    import dataclasses
+
+    from torchtitan.models.common.vision import VisionArgs
+    from torchtitan.models.qwen3_5_vl import Qwen35VLArgs
+
+    text = tiny_qwen3_5(**extra)
+    tower = VisionArgs(
+        depth=2, dim=32, n_heads=2, intermediate_size=48, out_dim=text.dim, patch_size=4,
+        num_position_embeddings=16,
+    )  # fmt: skip
+    fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(text)}
+    return Qwen35VLArgs(**fields, vision=tower, image_token_id=250, mrope_section=(2, 1, 1))
+
+
 def tiny_hf_cases() -> dict[str, tuple[str, Any]]:
     """One tiny flavor per Hugging Face layout of every family in ``MODELS``: case id ->
     (family name, args). GQA, RoPE scaling, QK-norms, tied and untied heads, dense and MoE
@@ -142,4 +159,5 @@ def tiny_hf_cases() -> dict[str, tuple[str, Any]]:
                 shared_expert_dim=48,
             ),
         ),
+        "qwen3_5_vl": ("qwen3_5_vl", tiny_qwen3_5_vl()),
     }

@@ -74,6 +74,10 @@ class ModelParallelPlan:
     document (``model.attn_mask_type = "block_causal"``, docs/attention.md); with a CP plan its
     attention core also takes the mask (``q, k, v, mask``)."""
 
+    fsdp_units: tuple[str, ...] = ()
+    """Paths of further modules that are each an FSDP unit, sharded in this order before the
+    blocks (a vision tower's blocks, then the tower itself: docs/vlm.md)."""
+
     refusals: Mapping[str, str] = field(default_factory=dict)
     """Parallelisms this model cannot take, by name (``tensor_parallel``, ``pipeline_parallel``,
     ``context_parallel``) -> why; config validation refuses them with that reason."""

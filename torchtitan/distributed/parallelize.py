@@ -84,9 +84,10 @@ def parallelize(
             mesh = dims.get_mesh("expert_fsdp")
             apply_expert_fsdp(model, experts, mesh, param_dtype, reduce_dtype, reshard)
             experts = []  # nested FSDP units now: the blocks' FSDP skips them
+        extra = [model.get_submodule(path) for path in plan.fsdp_units]
         apply_fsdp(
             model,
-            list(blocks.values()),
+            extra + list(blocks.values()),
             dims.fsdp_mesh(),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,

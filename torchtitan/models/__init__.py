@@ -19,12 +19,14 @@ from torchtitan.models.hf import hf_spec
 from torchtitan.models.llama3 import llama3_spec
 from torchtitan.models.qwen3 import qwen3_spec
 from torchtitan.models.qwen3_5 import qwen3_5_spec
+from torchtitan.models.qwen3_5_vl import qwen3_5_vl_spec
 from torchtitan.models.spec import ModelSpec, runtime_args
 
 MODELS: dict[str, ModelSpec] = {
     "llama3": llama3_spec,
     "qwen3": qwen3_spec,
     "qwen3_5": qwen3_5_spec,
+    "qwen3_5_vl": qwen3_5_vl_spec,  # Qwen3.5 with vision (docs/vlm.md)
     "gpt_oss": gpt_oss_spec,
     "deepseek_v3": deepseek_v3_spec,
     "hf": hf_spec,  # any transformers causal LM from a local folder (docs/hf_models.md)

@@ -40,6 +40,7 @@ from torchtitan.preflight.validate_parallel import (
 from torchtitan.preflight.validate_paths import validate_paths
 from torchtitan.preflight.validate_resilience import validate_resilience
 from torchtitan.preflight.validate_values import validate_values
+from torchtitan.preflight.validate_vlm import validate_vlm
 from torchtitan.tools.logging import logger
 
 
@@ -120,6 +121,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     _validate_training(cfg)
     validate_data(cfg)  # tokenized corpora and mixtures (docs/data.md)
     validate_chat(cfg)  # chat SFT data (docs/sft.md)
+    validate_vlm(cfg)  # image-text data (docs/vlm.md)
 
     p = cfg.parallelism
     dims = ParallelDims.from_config(p, world_size)

@@ -18,6 +18,8 @@ from torchtitan.data.builder import DataOptions, build_data_loader
 from torchtitan.data.chat_data import ChatDataset
 from torchtitan.data.dataloader import ParallelAwareDataloader
 from torchtitan.data.tokenizer import AnyTokenizer
+from torchtitan.data.vlm_dataset import ImageTokens, VLMDataset, collate, source_files
+from torchtitan.data.vlm_images import ImageRules
 from torchtitan.distributed.compile import compile_loss, set_compile_cache_dir
 from torchtitan.distributed.float8 import apply_float8
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -38,6 +40,7 @@ from torchtitan.lora.peft_io import load_into
 from torchtitan.loss.cross_entropy import cross_entropy_sum
 from torchtitan.metrics.processor import MetricsProcessor
 from torchtitan.metrics.writers import MetricWriter, build_job_writers
+from torchtitan.models import MODELS
 from torchtitan.models.spec import ModelSpec, TrainableModel
 from torchtitan.tools import startup
 from torchtitan.tools.device_memory import DeviceMemoryMonitor
@@ -63,6 +66,8 @@ def build_rank_dataloader(
     t, dp_mesh = cfg.training, dims.get_mesh("dp")
     if dataset == "chat":  # chat SFT rows with prompt-masked labels (docs/sft.md)
         return build_chat_dataloader(cfg, dataset_path, tokenizer, dp_mesh, infinite)
+    if dataset == "vlm":  # image-text samples (docs/vlm.md)
+        return build_vlm_dataloader(cfg, dataset_path, tokenizer, dp_mesh, infinite)
     options = DataOptions(t.tokenized_shuffle, cfg.debug.seed, t.mixture, t.mixture_exhausted)
     return build_data_loader(
         dataset=dataset,
@@ -103,6 +108,28 @@ def build_chat_dataloader(
         with_doc_ids=cfg.model.attn_mask_type == "block_causal",
     )
     return ParallelAwareDataloader(chat, rank, world, batch_size=cfg.training.local_batch_size)
+
+
+def build_vlm_dataloader(
+    cfg: JobConfig,
+    path: str | None,
+    tokenizer: AnyTokenizer,
+    dp_mesh: DeviceMesh,
+    infinite: bool,
+) -> ParallelAwareDataloader:
+    """The ``vlm`` dataset's loader: patches and placeholders by the model's vision tower and
+    token ids (preflight: validate_vlm.py); batches are dicts (``vlm_dataset.py: collate``)."""
+    assert path is not None  # preflight requires a dataset_path for "vlm"
+    args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
+    v = args.vision
+    rules = ImageRules(v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
+    ids = ImageTokens(args.image_token_id)
+    rank, world = dp_mesh.get_local_rank(), dp_mesh.size()
+    data = VLMDataset(
+        source_files(Path(path)), tokenizer, cfg.training.seq_len, rules, ids, rank, world, infinite
+    )
+    batch = cfg.training.local_batch_size
+    return ParallelAwareDataloader(data, rank, world, batch_size=batch, collate_fn=collate)
 
 
 def build_meta_model(

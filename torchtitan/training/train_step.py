@@ -64,6 +64,11 @@ class TrainStep:
         self.microbatches_drawn += 1
         self.metrics.add_data_time(time.perf_counter() - start)
         device = self.runner.device
+        if isinstance(batch, dict):  # image-text samples (data/vlm_dataset.py; docs/vlm.md)
+            b = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
+            extra = self.runner.model_inputs(b["inputs"], None)
+            extra.update(pixel_values=b["pixel_values"], grid_thw=b["grid_thw"])
+            return b["inputs"], b["labels"], extra
         inputs, labels, *rest = (t.to(device, non_blocking=True) for t in batch)
         return inputs, labels, self.runner.model_inputs(inputs, rest[0] if rest else None)
 
