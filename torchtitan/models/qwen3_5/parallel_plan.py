@@ -12,8 +12,11 @@ module a block lacks is skipped):
   and reduce-scattered onto the sequence shard;
 * MoE blocks run whole on each TP rank (``ReplicateParallel``; experts split by EP), as Qwen3's.
 
-Context parallel is refused (``context_parallel=None``): a DeltaNet layer's state would have to
-pass from rank to rank along the sequence.
+Context parallel: the gated-attention layers' cores are swapped as every decoder's; each DeltaNet
+layer runs on its rank's contiguous stretch of the sequence with the state entering from the
+ranks before (``GatedDeltaNet.enable_context_parallel``, ``distributed/context_parallel/linear.py``),
+by the chunked PyTorch rule (the only form here with an entering state): ``linear_kernel`` fla or
+recurrent with CP is refused, as is torch's causal ring (it patches only SDPA).
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from torchtitan.distributed.model_plan import ModelParallelPlan, TensorParallelPlan
+from torchtitan.distributed.model_plan import (
+    ContextParallelPlan,
+    ModelParallelPlan,
+    TensorParallelPlan,
+)
 from torchtitan.distributed.replicate_parallel import ReplicateParallel
 from torchtitan.models.common.decoder_plan import (
     attention_plan,
@@ -78,12 +85,26 @@ def qwen35_parallel_plan(args: Qwen35Args) -> ModelParallelPlan:
     tensor_parallel = TensorParallelPlan(
         root=root_plan(), block=block, output="output", divisible=sizes
     )
+    context_parallel, refusals = None, {}
+    if args.linear_kernel in ("auto", "chunked"):
+        context_parallel = ContextParallelPlan(
+            attention_core="attention.core",
+            kv_repeat=args.n_heads // args.kv_heads,
+            rope_buffer="freqs_cis",
+            torch_ring=False,
+        )
+    else:
+        refusals["context_parallel"] = (
+            f"linear_kernel {args.linear_kernel} has no entering-state form here; under CP the "
+            "DeltaNet runs the chunked PyTorch rule: use linear_kernel auto or chunked"
+        )
     return ModelParallelPlan(
         blocks="layers",
         pipeline_units=pipeline_units(args),
         tensor_parallel=tensor_parallel,
         embedding="tok_embeddings",
-        context_parallel=None,
+        context_parallel=context_parallel,
         tied_embeddings=args.tie_word_embeddings,
         document_mask=True,
+        refusals=refusals,
     )
