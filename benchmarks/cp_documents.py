@@ -38,6 +38,7 @@ from torchtitan.distributed.context_parallel.layout import (
     rank_costs,
     shard_index,
     take_tokens,
+    window_imbalance,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,13 +59,12 @@ def long_tail_lengths(n: int = 20000) -> list[int]:
 
 
 def cost_rows(name: str, lengths: list[int], seq: int, cps: list[int]) -> list[dict]:
-    ids = doc_ids_from_lengths(lengths * max(1, 4 * seq // sum(lengths) + 1), seq)[:64]
     rows = []
     for cp in cps:
-        row: dict = {"dist": name, "seq_len": seq, "cp": cp, "windows": ids.shape[0]}
+        row: dict = {"dist": name, "seq_len": seq, "cp": cp}
         for b in BALANCERS:
-            per = torch.stack([rank_costs(w[None], cp, b) for w in ids])  # [windows, cp]
-            ratio = per.max(dim=1).values / per.mean(dim=1)
+            ratio = window_imbalance(lengths, seq, cp, b)  # the planner's cost too
+            row["windows"] = ratio.shape[0]
             row[f"{b}_mean"], row[f"{b}_worst"] = (
                 round(float(ratio.mean()), 4),
                 round(float(ratio.max()), 4),
