@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
