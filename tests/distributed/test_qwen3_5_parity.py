@@ -165,6 +165,12 @@ CP_CASES = {
     "Qwen3.5 block_causal CP 4 headtail": (4, [CP, "4", LB, "8"], BLOCK, True),
     "Qwen3.5 block_causal CP 4 document": (4, [CP, "4", *DOC_LB, LB, "8"], BLOCK, True),
     "Qwen3.5 block_causal TP 2 x CP 2": (4, [*TP2[:2], CP, "2", LB, "8"], BLOCK, True),
+    "Qwen3.5 block_causal PP 2 x CP 2 document": (
+        4,
+        [*_pp("1F1B")[:4], CP, "2", *DOC_LB, LB, "8"],
+        BLOCK,
+        True,
+    ),
     "Qwen3.5 block_causal FSDP 2 x CP 2 document": (
         4,
         ["--parallelism.data_parallel_shard_degree", "2", CP, "2", *DOC_LB, LB, "4"],

@@ -41,8 +41,18 @@ class SequenceRelayout:
         self, mesh: DeviceMesh, like: torch.Tensor, mask: DocumentMask | None, halo: int = 0
     ) -> None:
         self.mesh, self.cp, self.rank = mesh, mesh.size(), mesh.get_local_rank()
-        batch, local = like.shape[:2]
-        self.local = local
+        self.local = like.shape[1]
+        self.halo = min(halo, self.rank * self.local)
+        self._window, self._back, self.doc_ids, self._keep = self._indices(like, mask)
+
+    @torch.compiler.disable  # integer bookkeeping; compiled, inductor's CPU code failed on it
+    def _indices(
+        self, like: torch.Tensor, mask: DocumentMask | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(gather index of the stretch with its halo, gather index of this rank's tokens in
+        the stretches, the stretch's document ids, ``[B, cp]`` 1.0 where stretch j continues
+        stretch j - 1's document)."""
+        batch, local, start = like.shape[0], self.local, self.rank * self.local
         pos = None if mask is None else mask.positions
         if pos is None:  # the forward got no positions: the head-tail layout's
             pos = shard_index(local * self.cp, self.cp, self.rank, "headtail")
@@ -50,17 +60,15 @@ class SequenceRelayout:
         doc = None if mask is None else mask.doc_ids.to(like.device).long()
         key = pos if doc is None else doc * 2**32 + pos  # positions < 2**32
         order = self.gather(key).argsort(dim=1)  # sequence index -> index in the gather
-        start = self.rank * local
-        self.halo = min(halo, start)
-        self._window = order[:, start - self.halo : start + local]
-        self._back = order.argsort(dim=1)[:, start : start + local]
-        self.doc_ids: torch.Tensor | None = None
-        self._keep = torch.ones(batch, self.cp, device=like.device)  # stretch j continues j-1
-        if doc is not None:
-            docs = take_tokens(self.gather(doc), order)  # [B, S] in sequence order
-            self.doc_ids = docs[:, start - self.halo : start + local]
-            firsts = torch.arange(1, self.cp, device=like.device) * local
-            self._keep[:, 1:] = (docs[:, firsts] == docs[:, firsts - 1]).float()
+        window = order[:, start - self.halo : start + local]
+        back = order.argsort(dim=1)[:, start : start + local]
+        keep = torch.ones(batch, self.cp, device=like.device)
+        if doc is None:
+            return window, back, None, keep
+        docs = take_tokens(self.gather(doc), order)  # [B, S] in sequence order
+        firsts = torch.arange(1, self.cp, device=like.device) * local
+        keep[:, 1:] = (docs[:, firsts] == docs[:, firsts - 1]).float()
+        return window, back, docs[:, start - self.halo : start + local], keep
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, L, ...]`` of every cp rank, rank after rank: ``[B, cp * L, ...]``."""

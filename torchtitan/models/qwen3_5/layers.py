@@ -142,8 +142,10 @@ class GatedDeltaNet(nn.Module):
     def enable_context_parallel(self, mesh: DeviceMesh) -> None:
         """Called by context parallel (``distributed/context_parallel/core.py: apply_cp``): the
         layer then runs on this rank's contiguous stretch of the sequence, its state entering
-        from the ranks before (``distributed/context_parallel/linear.py``)."""
+        from the ranks before (``distributed/context_parallel/linear.py``). Its index
+        bookkeeping runs eagerly: the block then compiles with graph breaks."""
         self.cp_mesh = mesh
+        self.compile_graph_breaks = True  # read by distributed/compile.py
 
     def forward(
         self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: OptMask = None, cache: OptCache = None
