@@ -13,11 +13,16 @@ parallel), runs ``--warmup`` steps, then ``--steps`` timed steps, and prints one
   of the forward pass, exactly, on any device; it falls ~1/cp, plus the K/V that each attention
   layer gathers (GQA: the distinct kv heads) and keeps for its backward.
 * ``peak_rss_gib_max_rank``: the process's peak resident memory (what the machine saw).
-* ``tokens_per_s_per_device``: ``seq_len / cp`` tokens per rank per step over the median step.
+* ``tokens_per_s_per_device``: ``seq_len / cp`` tokens per rank per step over the median step;
+  ``step_s_per_rank``: each rank's median step; ``attention_fwd_s_per_rank``: each rank's
+  seconds per step in the forward of its CP attention cores (K/V gather included; forward
+  hooks, so the backward is not in it).
   On a machine with fewer cores than ranks the ranks share cores, so this column shows the
   per-rank work, not the speed-up a real cluster gets.
 
-Extra arguments after ``--`` are config overrides for every run.
+Extra arguments after ``--`` are config overrides for every run; ``-- --model.flavor
+cp_bench_tiny`` runs a scaled-down Llama 3 shape (dim 64, 2 layers, 4 heads) that this
+benchmark registers, for sequences of 32k-128k on a CPU.
 """
 
 from __future__ import annotations
@@ -57,6 +62,32 @@ def _saved_bytes_meter():  # type: ignore[no-untyped-def]
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter, seen
 
 
+TINY = "cp_bench_tiny"
+"""``-- --model.flavor cp_bench_tiny``: the scaled-down Llama 3 shape this benchmark registers."""
+
+
+def _time_attention(model_parts: list) -> dict[str, float]:  # type: ignore[type-arg]
+    """Seconds this rank spends in the forward of its CP attention cores (the K/V gather
+    included), summed: forward hooks on every ``AllGatherKVAttention`` / ring core."""
+    from torchtitan.distributed.context_parallel.core import AllGatherKVAttention
+    from torchtitan.distributed.context_parallel.ring import RingDocumentAttention
+
+    acc = {"s": 0.0, "t0": 0.0}
+
+    def pre(module: object, args: object) -> None:
+        acc["t0"] = time.perf_counter()
+
+    def post(module: object, args: object, out: object) -> None:
+        acc["s"] += time.perf_counter() - acc["t0"]
+
+    for part in model_parts:
+        for m in part.modules():
+            if isinstance(m, (AllGatherKVAttention, RingDocumentAttention)):
+                m.register_forward_pre_hook(pre)
+                m.register_forward_hook(post)
+    return acc
+
+
 def worker(seq_len: int, warmup: int, steps: int, overrides: list[str]) -> None:
     import torch
     import torch.distributed as dist
@@ -68,6 +99,14 @@ def worker(seq_len: int, warmup: int, steps: int, overrides: list[str]) -> None:
 
     cp = int(os.environ["WORLD_SIZE"])
     dump = tempfile.mkdtemp(prefix="cp_bench_")
+    if "--model.flavor" in overrides and TINY in overrides:
+        from torchtitan.models.llama3.args import LLAMA3_FLAVORS, ModelArgs
+
+        # The benchmark's own scaled-down shape (seq 32k-128k on a CPU): 1/4 of the debug
+        # model's width, 2 layers, 4 heads of 16.
+        LLAMA3_FLAVORS[TINY] = ModelArgs(
+            dim=64, n_layers=2, n_heads=4, vocab_size=2048, max_seq_len=2048
+        )
     cfg = load_config(
         [
             "--job.config_file",
@@ -93,6 +132,7 @@ def worker(seq_len: int, warmup: int, steps: int, overrides: list[str]) -> None:
         ]
     )
     trainer = Trainer(cfg)
+    attention_s = _time_attention(trainer.model_parts)
     try:
         for _ in range(warmup):
             trainer.step += 1
@@ -103,11 +143,18 @@ def worker(seq_len: int, warmup: int, steps: int, overrides: list[str]) -> None:
             trainer.train_step()
         seen.clear()
         times = []
+        attention_s["s"] = 0.0
         for _ in range(steps - 1):
             start = time.perf_counter()
             trainer.step += 1
             trainer.train_step()
             times.append(time.perf_counter() - start)
+        per_rank = torch.zeros(cp, dtype=torch.float64)
+        per_rank[trainer.rank] = attention_s["s"] / max(1, steps - 1)
+        dist.all_reduce(per_rank)
+        step_per_rank = torch.zeros(cp, dtype=torch.float64)
+        step_per_rank[trainer.rank] = statistics.median(times) if times else float("nan")
+        dist.all_reduce(step_per_rank)
         rss = DeviceMemoryMonitor(torch.device("cpu")).stats().peak_rss_gib
         stats = torch.tensor([counter["bytes"] / 2**20, rss], dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
@@ -123,6 +170,8 @@ def worker(seq_len: int, warmup: int, steps: int, overrides: list[str]) -> None:
                         "peak_rss_gib_max_rank": round(float(stats[1]), 3),
                         "step_time_s": round(step_s, 3),
                         "tokens_per_s_per_device": round(seq_len / cp / step_s, 1),
+                        "step_s_per_rank": [round(float(t), 3) for t in step_per_rank],
+                        "attention_fwd_s_per_rank": [round(float(t), 3) for t in per_rank],
                         "model": f"{cfg.model.name} {cfg.model.flavor}",
                         "threads_per_rank": torch.get_num_threads(),
                         "load_avg": list(os.getloadavg()),

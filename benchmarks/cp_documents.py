@@ -14,7 +14,8 @@ document tokenized with the test tokenizer, plus BOS and EOS) and a long-tail sy
   window per step and rank: the slowest rank sets the step) and for the worst window.
 * time: forward + backward of the block-causal all-gather core's attention for each rank's
   queries (``context_parallel.core.document_attention``, the code the ranks run, here one
-  rank after another in one process so the ranks do not share cores), 4 heads of 64, fp32, one window;
+  rank after another in one process so the ranks do not share cores), ``--heads`` heads of 64
+  (default 4), fp32, one window (``--time_dists`` chooses the distributions);
   ``max / mean`` of the per-rank times.
 
 Bad input (one line, exit 2): a length above the sequence, a seq_len not divisible by 2 x cp.
@@ -38,6 +39,7 @@ from torchtitan.distributed.context_parallel.layout import (
     rank_costs,
     shard_index,
     take_tokens,
+    window_imbalance,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,13 +60,12 @@ def long_tail_lengths(n: int = 20000) -> list[int]:
 
 
 def cost_rows(name: str, lengths: list[int], seq: int, cps: list[int]) -> list[dict]:
-    ids = doc_ids_from_lengths(lengths * max(1, 4 * seq // sum(lengths) + 1), seq)[:64]
     rows = []
     for cp in cps:
-        row: dict = {"dist": name, "seq_len": seq, "cp": cp, "windows": ids.shape[0]}
+        row: dict = {"dist": name, "seq_len": seq, "cp": cp}
         for b in BALANCERS:
-            per = torch.stack([rank_costs(w[None], cp, b) for w in ids])  # [windows, cp]
-            ratio = per.max(dim=1).values / per.mean(dim=1)
+            ratio = window_imbalance(lengths, seq, cp, b)  # the planner's cost too
+            row["windows"] = ratio.shape[0]
             row[f"{b}_mean"], row[f"{b}_worst"] = (
                 round(float(ratio.mean()), 4),
                 round(float(ratio.max()), 4),
@@ -101,6 +102,8 @@ def main() -> None:
     p.add_argument("--time_cps", default="2,4")
     p.add_argument("--lengths", default="", help="comma-separated document lengths")
     p.add_argument("--no-time", dest="time", action="store_false")
+    p.add_argument("--heads", type=int, default=4, help="heads of 64 in the timed attention")
+    p.add_argument("--time_dists", default="corpus,long_tail", help="distributions to time")
     a = p.parse_args()
     seqs, cps = [int(x) for x in a.seq_lens.split(",")], [int(x) for x in a.cps.split(",")]
     for s in seqs + [int(x) for x in a.time_seq_lens.split(",")]:
@@ -109,14 +112,19 @@ def main() -> None:
                 bad(
                     f"--seq_lens {s}: not divisible by 2 x cp = {2 * cp}; use a multiple of {2 * cp}"
                 )
-    dists = {"corpus": corpus_lengths(), "long_tail": long_tail_lengths()}
     if a.lengths:
-        dists = {"given": [int(x) for x in a.lengths.split(",")]}
-        for n in dists["given"]:
+        try:
+            given = [int(x) for x in a.lengths.split(",")]
+        except ValueError:
+            bad(f"--lengths {a.lengths!r}: not comma-separated integers; use e.g. 300,5000,80")
+        for n in given:
             if n > min(seqs) or n < 1:
                 bad(
                     f"--lengths: a document of {n} tokens does not fit one window of {min(seqs)} (1..seq_len)"
                 )
+        dists = {"given": given}
+    else:
+        dists = {"corpus": corpus_lengths(), "long_tail": long_tail_lengths()}
     for name, lengths in dists.items():
         for seq in seqs:
             for row in cost_rows(name, lengths, seq, cps):
@@ -124,14 +132,16 @@ def main() -> None:
     if not a.time:
         return
     torch.set_num_threads(1)
-    for name, lengths in dists.items():
+    timed = {n: d for n, d in dists.items() if n in a.time_dists.split(",") or n == "given"}
+    for name, lengths in timed.items():
         for seq in [int(x) for x in a.time_seq_lens.split(",")]:
             ids = doc_ids_from_lengths(lengths * (2 * seq // sum(lengths) + 2), seq)[1:2]
             pairs = float((positions_in_documents(ids) + 1).sum())
             for cp in [int(x) for x in a.time_cps.split(",")]:
                 row: dict = {"dist": name, "seq_len": seq, "cp": cp, "pairs": pairs}
+                row["heads"] = a.heads
                 for b in BALANCERS:
-                    ts = [time_rank(ids, cp, r, b) for r in range(cp)]
+                    ts = [time_rank(ids, cp, r, b, a.heads) for r in range(cp)]
                     row[f"{b}_s"] = [round(t, 3) for t in ts]
                     row[f"{b}_max_over_mean"] = round(max(ts) / (sum(ts) / cp), 3)
                     row[f"{b}_cost_max_over_mean"] = round(

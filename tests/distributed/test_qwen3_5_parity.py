@@ -151,3 +151,41 @@ def test_float8(tmp_path: Path) -> None:
     )
     why = "float8 losses equal fp32 exactly: were the linears converted?"
     assert_losses_close_but_changed(fp32, one, FLOAT8_RTOL, "Qwen3.5 float8 vs fp32", 1e-6, why)
+
+
+CP = "--parallelism.context_parallel_degree"
+DOC_LB = ("--parallelism.context_parallel_load_balancer", "document")
+# label -> (ranks, overrides, flavor extra): Qwen3.5 under context parallel
+# (docs/context_parallel.md, "Linear attention (Gated DeltaNet) under context parallel"). The
+# DeltaNet layers' state and convolution window cross the CP ranks in sequence order; the test
+# corpus's documents (3-480 tokens) cross the shard boundaries (chunks of 16 tokens at CP 2).
+CP_CASES = {
+    "Qwen3.5 block_causal CP 2 document": (2, [CP, "2", *DOC_LB, LB, "8"], BLOCK, False),
+    "Qwen3.5 CP 2 causal": (2, [CP, "2", LB, "8"], (), True),
+    "Qwen3.5 block_causal CP 4 headtail": (4, [CP, "4", LB, "8"], BLOCK, True),
+    "Qwen3.5 block_causal CP 4 document": (4, [CP, "4", *DOC_LB, LB, "8"], BLOCK, True),
+    "Qwen3.5 block_causal TP 2 x CP 2": (4, [*TP2[:2], CP, "2", LB, "8"], BLOCK, True),
+    "Qwen3.5 block_causal PP 2 x CP 2 document": (
+        4,
+        [*_pp("1F1B")[:4], CP, "2", *DOC_LB, LB, "8"],
+        BLOCK,
+        True,
+    ),
+    "Qwen3.5 block_causal FSDP 2 x CP 2 document": (
+        4,
+        ["--parallelism.data_parallel_shard_degree", "2", CP, "2", *DOC_LB, LB, "4"],
+        BLOCK,
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "label",
+    [pytest.param(c, marks=pytest.mark.slow) if CP_CASES[c][3] else c for c in CP_CASES],
+)
+def test_context_parallel(
+    label: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    world, overrides, extra, _ = CP_CASES[label]
+    _compare("debugmodel", tmp_path_factory, tmp_path, world, overrides, label, extra)

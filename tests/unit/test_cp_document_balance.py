@@ -188,3 +188,42 @@ def test_unknown_balancer_is_one_line_exit_2(capsys: pytest.CaptureFixture[str])
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "context_parallel_load_balancer = 'zigzag'" in err[0], err
+
+
+def test_seq_len_not_split_into_2cp_chunks_is_one_line_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A CP degree whose 2 x cp does not divide seq_len, from the entry point: one line naming
+    the field, the rule and a length that works."""
+    from torchtitan.config.__main__ import main
+
+    argv = ["--job.config_file", DEBUG_TOML, "--world_size", "4"]
+    argv += ["--parallelism.context_parallel_degree", "4", "--training.seq_len", "100"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "training.seq_len" in err[0] and "2 x cp = 8" in err[0], err
+    assert "e.g. 96" in err[0]
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--lengths", "300,9000", "--seq_lens", "8192"], "a document of 9000 tokens"),
+        (["--lengths", "300,x"], "not comma-separated integers"),
+        (["--seq_lens", "1000", "--cps", "8"], "not divisible by 2 x cp = 16"),
+    ],
+)
+def test_cp_documents_benchmark_bad_input_is_one_line_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list, words: str
+) -> None:
+    """benchmarks/cp_documents.py: documents longer than the sequence, lengths that are not
+    integers, a seq_len that 2 x cp does not divide."""
+    from tests.script_loader import load
+
+    bench = load("benchmarks/cp_documents.py", "cp_documents_bench")
+    monkeypatch.setattr("sys.argv", ["cp_documents.py", "--no-time", *argv])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err

@@ -295,7 +295,13 @@ def test_tp_degree_must_divide_the_deltanet_heads() -> None:
     assert tp_problem(sizes, 2) is None
     problem = tp_problem({**sizes, "n_heads": 12, "n_kv_heads": 6}, 3)
     assert problem is not None and "linear_num_key_heads=4" in problem
-    assert plan.context_parallel is None  # refused: the DeltaNet state would cross CP ranks
+    assert plan.context_parallel is not None and not plan.context_parallel.torch_ring
+    # The recurrent and fla kernels have no entering state here: CP refused with the reason.
+    for kernel in ("recurrent", "fla"):
+        a = dataclasses.replace(QWEN35_FLAVORS["debugmodel"], linear_kernel=kernel)
+        refused = MODELS["qwen3_5"].parallel_plan(a)
+        assert refused.context_parallel is None
+        assert "auto or chunked" in refused.refusals["context_parallel"]
 
 
 def test_broken_fla_install_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -315,15 +321,28 @@ def test_broken_fla_install_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -
     assert isinstance(forced, ConfigError) and "needs CUDA" in str(forced)
 
 
-def test_cp_refused_with_one_line(tmp_path: Path) -> None:
-    """Context parallel for Qwen3.5 is a config error (exit 2 from the entry points)."""
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ((), None),
+        (("--parallelism.context_parallel_method", "ring"), "linear attention"),
+    ],
+)
+def test_cp_rules(tmp_path: Path, extra: tuple[str, ...], words: str | None) -> None:
+    """Context parallel runs Qwen3.5 (docs/context_parallel.md); torch's causal ring (it
+    patches only SDPA) is a one-line config error (exit 2 from the entry points)."""
     from tests.unit.test_estimator import BASE
     from torchtitan.config.errors import ConfigError
     from torchtitan.preflight.validate import load_config
 
-    argv = [*BASE, "--model.name", "qwen3_5", "--job.dump_folder", str(tmp_path)]
-    with pytest.raises(ConfigError, match="context_parallel_degree.*tensor parallel"):
-        load_config([*argv, "--parallelism.context_parallel_degree", "2"], world_size=2)
+    argv = [*BASE, "--model.name", "qwen3_5", "--job.dump_folder", str(tmp_path), *extra]
+    argv += ["--parallelism.context_parallel_degree", "2"]
+    if words is None:
+        load_config(argv, world_size=2)
+        return
+    with pytest.raises(ConfigError, match=words) as e:
+        load_config(argv, world_size=2)
+    assert "\n" not in str(e.value)
 
 
 class _Source:

@@ -50,6 +50,10 @@ class ContextParallelPlan:
     """Query heads per key/value head (GQA); only the distinct K/V heads are gathered."""
     rope_buffer: str | None = None
     """Root buffer holding the RoPE table that torch's ring attention shards in place."""
+    torch_ring: bool = True
+    """torch's ring attention (causal, ``context_parallel_method = ring``) can run the model.
+    False where a layer outside the attention core reads the whole sequence (linear attention:
+    torch's ring patches only SDPA)."""
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,10 @@ Planner options (everything else is a config override, as for ``torchtitan.train
   --host_device_gbps B      host-device bandwidth per device for CPU offload, GB/s (default 25)
   --host_memory_gbps B      host memory bandwidth per device for the CPU optimizer step (default 10)
   --vocab_size V            vocabulary for the estimate (default: the tokenizer's, else the flavor's)
+  --document_lengths FILE   token lengths of the training documents (integers, one per line or
+                            comma-separated): with model.attn_mask_type block_causal, CP layouts
+                            pay for their slowest rank's attention under the configured
+                            parallelism.context_parallel_load_balancer (docs/context_parallel.md)
 Exit status: 0 with at least one fitting layout, 1 when none fits, 2 on a bad argument.
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.manager import parse_args
@@ -47,6 +52,7 @@ _OPTIONS: dict[str, tuple[type, float, bool, str]] = {
     "--host_device_gbps": (float, 0, True, "use e.g. 25"),
     "--host_memory_gbps": (float, 0, True, "use e.g. 10"),
     "--vocab_size": (int, 1, False, "leave it out (the tokenizer's), or give e.g. 128256"),
+    "--document_lengths": (str, 0, False, ""),
 }
 
 
@@ -100,6 +106,32 @@ def _nodes(opts: dict[str, object], world_size: int) -> int:
     return nodes
 
 
+def document_lengths(path: str, seq_len: int) -> tuple[int, ...]:
+    """The ``--document_lengths`` file's lengths; each from 1 to ``seq_len`` (ConfigError)."""
+    field = "--document_lengths"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(field, path, f"cannot be read ({e.strerror})", "give a file") from None
+    words = text.replace(",", " ").split()
+    if not words or not all(w.isdigit() for w in words):
+        bad = next((w for w in words if not w.isdigit()), "nothing")
+        rule = f"must hold positive integers, one per line or comma-separated (found {bad!r})"
+        raise ConfigError(field, path, rule, "write one document's token count per line")
+    lengths = tuple(int(w) for w in words)
+    worst = max(lengths)
+    if min(lengths) < 1 or worst > seq_len:
+        n = worst if worst > seq_len else min(lengths)
+        raise ConfigError(
+            field,
+            path,
+            f"holds a document of {n} tokens; each must be 1..training.seq_len = {seq_len} "
+            "(the cost is per window of seq_len tokens)",
+            "split longer documents into seq_len pieces, or raise --training.seq_len",
+        )
+    return lengths
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -134,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             if name in opts:
                 hw = replace(hw, **{name: float(opts[name])})  # type: ignore[arg-type]
         cfg = parse_args(rest)
+        if "document_lengths" in opts:
+            lengths = document_lengths(str(opts["document_lengths"]), cfg.training.seq_len)
+            hw = replace(hw, document_lengths=lengths)
         vocab = opts.get("vocab_size")
         args = model_args_for(cfg, vocab_size=int(vocab) if vocab is not None else None)  # type: ignore[call-overload]
         results, n_layouts, too_big = plan(cfg, args, world_size, hw)

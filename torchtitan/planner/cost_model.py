@@ -1,6 +1,10 @@
 """Step time of a layout, per device (docs/planning.md, "Parallelism planner")::
 
     compute   = FLOPs of the device's tokens (plus activation recompute) / (peak * mfu)
+    cp_attention_skew = the attention compute times (max / mean - 1) of the per-cp-rank
+                attention pairs, with packed documents (block_causal, ``--document_lengths``):
+                the load balancer's cost (``cp_attention_imbalance``); the slowest rank sets
+                the step
     bubble    = compute * (pp - 1) / (stages per rank * microbatches)     (pipeline idle time)
     tp, cp    = activation all-gathers / reduce-scatters, not overlapped (intra- or inter-node),
                 each also paying ``Hardware.sync_us`` (the ranks' skew between computations)
@@ -12,7 +16,8 @@
     lora      = adapters on a frozen base (``planner/lora_memory.py``): the base's backward skips
                 the weight-gradient matmuls, FSDP reduces and the optimizer steps the adapters
                 only; ``nf4_dequant``, QLoRA's dequantization per matmul
-    step      = compute + bubble + tp + cp + exposed fsdp + pp_p2p + all_to_all + moe_tp
+    step      = compute + cp_attention_skew + bubble + tp + cp + exposed fsdp + pp_p2p
+                + all_to_all + moe_tp
                 + nf4_dequant
 
 A collective moving ``S`` bytes over ``n`` ranks costs ``S * (n - 1) / n / bandwidth`` plus
@@ -23,7 +28,10 @@ placed first inside a node, then cp, then dp_shard), the inter-node one otherwis
 
 from __future__ import annotations
 
+import functools
+
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.context_parallel.layout import window_imbalance
 from torchtitan.models import MODELS
 from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.planner.estimator import block_params, param_dtype_bytes
@@ -38,7 +46,7 @@ from torchtitan.planner.moe_plan import (
 )
 from torchtitan.preflight.validate import pipeline_stages
 
-__all__ = ["step_time"]
+__all__ = ["cp_attention_imbalance", "step_time"]
 
 
 def _collective_s(nbytes: float, n: int, hw: Hardware, spans_nodes: bool) -> float:
@@ -77,6 +85,21 @@ def _recompute_fraction(a: ModelArgs, ac_mode: str, ac_option: str) -> float:
     if ac_mode == "selective":
         return 1.0 / int(ac_option)
     return 0.0
+
+
+def cp_attention_imbalance(cfg: JobConfig, hw: Hardware, cp: int) -> float:
+    """``max / mean`` attention work over the cp ranks (mean over packed windows): the load
+    balancer's own cost (``distributed/context_parallel/layout.py: window_imbalance``) on
+    ``hw.document_lengths`` under block_causal; 1.0 otherwise (causal head-tail is exact)."""
+    if cp < 2 or not hw.document_lengths or cfg.model.attn_mask_type != "block_causal":
+        return 1.0
+    balancer = cfg.parallelism.context_parallel_load_balancer
+    return _imbalance(hw.document_lengths, cfg.training.seq_len, cp, balancer)
+
+
+@functools.lru_cache(maxsize=64)
+def _imbalance(lengths: tuple[int, ...], seq: int, cp: int, balancer: str) -> float:
+    return float(window_imbalance(lengths, seq, cp, balancer).mean())
 
 
 def step_time(
@@ -170,7 +193,10 @@ def step_time(
         if n_shard > 1:
             reduce_s += 2 * _latencies_s(units - 1, layout.dp_replicate, hw, rep_spans)
     fsdp_total = gather_s + reduce_s
-    work = compute + recompute + tp_gemm
+    # CP with packed documents: the slowest rank's attention sets the step (cp_attention_skew).
+    attention = tokens_device * 12 * a.n_layers * a.n_heads * a.head_dim * seq / peak
+    cp_skew = attention * (cp_attention_imbalance(cfg, hw, layout.cp) - 1.0)
+    work = compute + recompute + tp_gemm + cp_skew
     fsdp = max(0.0, fsdp_total - hw.fsdp_overlap * work)
     bubble = 0.0
     pp_p2p = 0.0
@@ -220,7 +246,8 @@ def step_time(
         "pp_p2p": pp_p2p,
         "tp_gemm": tp_gemm,
     }
-    terms["imbalance"] = work - compute - recompute - tp_gemm
+    terms["imbalance"] = work - compute - recompute - tp_gemm - cp_skew
+    terms["cp_attention_skew"] = cp_skew
     terms["chunked_loss"] = terms["offload_copies"] = terms["offload_optimizer"] = 0.0
     if "chunked_loss" in layout.levers:
         vocab_local = a.vocab_size / layout.tp

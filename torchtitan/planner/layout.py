@@ -59,6 +59,11 @@ class Hardware:
     """Rate at which the optimizer step streams its per-parameter state (parameter, gradient, two
     moments) through memory, GB/s: the device's memory on a GPU (negligible next to a step), the
     host's on CPU ranks, where it is not (measured by benchmarks/planner_vs_measured.py)."""
+    document_lengths: tuple[int, ...] = ()
+    """The workload's document lengths in tokens (``--document_lengths``): with
+    ``model.attn_mask_type = block_causal`` and cp > 1, the attention of the slowest cp rank
+    is costed from them (packed into windows as the data loader packs them) under the
+    configured load balancer; empty: the ranks are taken as even."""
     device_type: str = "cuda"
     """The devices' kind: it sets the compute dtype's size in the step-time model (``auto``
     mixed precision is bf16 on CUDA, fp32 on CPU). Memory is always estimated for CUDA."""

@@ -289,6 +289,12 @@ def _reasons(r: PlanResult, hw: Hardware, world_size: int) -> list[str]:
         out.append(f"TP-narrowed matmuls {t['tp_gemm']:.2f} s slower ({pct(t['tp_gemm'])})")
     if t["cp"] > 0:
         out.append(f"CP K/V all-gathers {t['cp']:.2f} s ({pct(t['cp'])})")
+    if t.get("cp_attention_skew", 0) > 0:
+        skew = t["cp_attention_skew"]
+        out.append(
+            f"CP attention uneven over the ranks with these documents: the slowest rank "
+            f"{skew:.2f} s more ({pct(skew)}; docs/context_parallel.md, load balancing)"
+        )
     if t.get("all_to_all", 0) > 0:
         where = "across nodes" if lay.ep * lay.cp * lay.tp > hw.gpus_per_node else "in a node"
         out.append(

@@ -107,6 +107,18 @@ def validate_context_parallel(cfg: JobConfig, cp: int, tp: int) -> None:
         )
     # block_causal rings run our document ring (distributed/context_parallel/ring.py), on any device.
     block = cfg.model.attn_mask_type == "block_causal"
+    if (
+        p.context_parallel_method == "ring"
+        and not block
+        and not model_plan.context_parallel.torch_ring
+    ):
+        raise ConfigError(
+            "parallelism.context_parallel_method",
+            "ring",
+            f"model {cfg.model.name} has layers outside attention that read the whole sequence "
+            "(linear attention), and torch's causal ring attention patches only SDPA",
+            "use --parallelism.context_parallel_method allgather",
+        )
     if p.context_parallel_method == "ring" and device_type() != "cuda" and not block:
         raise ConfigError(
             "parallelism.context_parallel_method",

@@ -244,6 +244,16 @@ def _core(method: str, cp_mesh: DeviceMesh, n_rep: int) -> nn.Module:
     return AllGatherKVAttention(cp_mesh, n_rep)
 
 
+def _submodule_or_none(block: nn.Module, path: str) -> nn.Module | None:
+    """``block.get_submodule(path)``, or None where a module on the path is None."""
+    module: nn.Module | None = block
+    for part in path.split(".") if path else []:
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
 def apply_cp(
     model: nn.Module,
     blocks: nn.ModuleDict,
@@ -261,7 +271,9 @@ def apply_cp(
     nothing changes in the model; the trainer runs forward and backward inside
     ``ContextParallel.batch``. Either way, every module of ``model`` with
     ``enable_context_parallel(cp_mesh)`` is told (the MoE layer's sequence-wise auxiliary loss
-    sums its expert load over ``cp``, docs/moe.md).
+    sums its expert load over ``cp``, docs/moe.md; a linear-attention layer passes its state
+    between ranks, ``linear.py``). Blocks without the attention core (a hybrid model's
+    linear-attention blocks) keep their modules.
     """
     for module in model.modules():
         enable = getattr(module, "enable_context_parallel", None)
@@ -272,7 +284,9 @@ def apply_cp(
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     parent_path, _, name = attention_core.rpartition(".")
     for block in blocks.values():
-        parent = block.get_submodule(parent_path) if parent_path else block
+        parent = _submodule_or_none(block, parent_path)
+        if parent is None:  # a hybrid model's block without attention (linear attention)
+            continue
         setattr(parent, name, _core(method, cp_mesh, n_rep))
     model.register_forward_pre_hook(_positions_hook(cp, rank), with_kwargs=True)
 

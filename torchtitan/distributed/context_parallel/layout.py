@@ -24,6 +24,7 @@ over the cp ranks is the attention imbalance (the slowest rank sets the step tim
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -39,6 +40,7 @@ __all__ = [
     "rank_costs",
     "shard_index",
     "take_tokens",
+    "window_imbalance",
 ]
 
 BALANCERS = ("headtail", "document")
@@ -110,6 +112,20 @@ def imbalance(costs: torch.Tensor) -> float:
     return float(costs.max() / costs.mean())
 
 
+def window_imbalance(
+    lengths: Sequence[int], seq_len: int, cp: int, balancer: str, windows: int = 64
+) -> torch.Tensor:
+    """:func:`imbalance` of :func:`rank_costs` for each of up to ``windows`` windows of
+    ``seq_len`` tokens packed from documents of ``lengths`` (repeated as needed to fill 4
+    windows), float64 ``[windows]``: how much longer than an even split the slowest cp rank's
+    attention takes in each step. The load balancer's cost, and the planner's
+    (``planner/cost_model.py``), the benchmark's (``benchmarks/cp_documents.py``)."""
+    reps = max(1, 4 * seq_len // max(1, sum(lengths)) + 1)
+    ids = doc_ids_from_lengths(list(lengths) * reps, seq_len)[:windows]
+    per = torch.stack([rank_costs(w[None], cp, balancer) for w in ids])  # [windows, cp]
+    return per.max(dim=1).values / per.mean(dim=1)
+
+
 def doc_ids_from_lengths(lengths: list[int], seq_len: int) -> torch.Tensor:
     """Documents of the given lengths packed in order into windows of ``seq_len`` tokens, as
     the data loader packs them (a document continues into the next window): ``[B, seq_len]``
@@ -124,8 +140,11 @@ class DocumentMask(Protocol):
     ``models/common/attention.py``): this rank's document ids and the positions the model
     rotated them by (RoPE; ``None`` means the head-tail global positions)."""
 
-    doc_ids: torch.Tensor
-    positions: torch.Tensor | None
+    @property
+    def doc_ids(self) -> torch.Tensor: ...
+
+    @property
+    def positions(self) -> torch.Tensor | None: ...
 
 
 def document_pairs(

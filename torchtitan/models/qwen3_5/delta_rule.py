@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "affine_delta_rule",
     "chunked_delta_rule",
+    "chunked_delta_rule_state",
     "delta_rule",
     "fla_available",
     "fla_delta_rule",
@@ -91,6 +93,21 @@ def chunked_delta_rule(
     chunk_size: int = 64,
 ) -> torch.Tensor:
     """The chunked form (module docstring); equal to :func:`recurrent_delta_rule`."""
+    return chunked_delta_rule_state(q, k, v, g, beta, doc_ids, chunk_size)[0]
+
+
+def chunked_delta_rule_state(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunked_delta_rule` from ``initial_state`` (``[B, H, Dk, Dv]``, default zero;
+    the first token's document reads it) -> (``o``, the state after the last token)."""
     b, s, h, _ = k.shape
     c = chunk_size
     pad = (-s) % c
@@ -128,7 +145,11 @@ def chunked_delta_rule(
     k_write = kc * (last_same * (cum[..., -1:] - cum).exp())[..., None]
     carry = (dc[..., :1] == prev).float()[..., 0] * cum[..., -1].exp()  # [B, H|1, N]
     carry = carry * (dc[..., -1] == dc[..., 0]).float()
-    state = q.new_zeros(b, h, k.shape[-1], v.shape[-1])
+    state = (
+        q.new_zeros(b, h, k.shape[-1], v.shape[-1])
+        if initial_state is None
+        else initial_state.float()
+    )
     outs = []
     for i in range(n):
         u = w[:, :, i] - wk[:, :, i] @ state
@@ -136,7 +157,29 @@ def chunked_delta_rule(
         state = state * carry[:, :, i, None, None] + k_write[:, :, i].transpose(-1, -2) @ u
     out = torch.stack(outs, dim=2)  # [B, H, N, C, Dv]
     out = out.transpose(1, 2).transpose(2, 3).reshape(b, n * c, h, -1)
-    return out[:, :s]
+    return out[:, :s], state
+
+
+def affine_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rule over a stretch whose entering state ``S0`` is not known yet (context parallel:
+    the previous rank's). Every step is affine in the state, so the state after token ``t`` is
+    ``P_t @ S0 + B_t`` and ``o_t = o0_t + S0^T qe_t`` with ``qe_t = P_t^T q_t``. One chunked
+    pass computes both parts, as the state ``[P | B]`` started at ``[I | 0]`` with values
+    ``[0 | v]``: returns ``(o0, qe, P_end, B_end)``, the last two ``[B, H, Dk, Dk]`` and
+    ``[B, H, Dk, Dv]`` (zero ``P`` past a document start: the state was reset)."""
+    b, s, h, dk = k.shape
+    v_aug = torch.cat([v.float().new_zeros(b, s, h, dk), v.float()], dim=-1)
+    eye = torch.eye(dk, device=q.device).expand(b, h, dk, dk)
+    start = torch.cat([eye, eye.new_zeros(b, h, dk, v.shape[-1])], dim=-1)
+    out, state = chunked_delta_rule_state(q, k, v_aug, g, beta, doc_ids, initial_state=start)
+    return out[..., dk:], out[..., :dk], state[..., :dk], state[..., dk:]
 
 
 def fla_available() -> bool:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed.context_parallel.linear import SequenceRelayout
 from torchtitan.models.common.attention import AttentionCore, OptMask
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.kv_cache import OptCache
@@ -22,7 +24,7 @@ from torchtitan.models.common.moe import MoE, MoEArgs
 from torchtitan.models.common.moe_experts import SharedExpert, local_linear
 from torchtitan.models.common.rope import repeat_kv
 from torchtitan.models.qwen3_5.args import Qwen35Args
-from torchtitan.models.qwen3_5.delta_rule import delta_rule
+from torchtitan.models.qwen3_5.delta_rule import affine_delta_rule, delta_rule
 
 
 def local(p: torch.Tensor) -> torch.Tensor:
@@ -135,15 +137,44 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(nv))
         self.norm = nn.RMSNorm(self.dv, eps=args.norm_eps)
         self.wo = nn.Linear(args.linear_value_dim, d, bias=False)
+        self.cp_mesh: DeviceMesh | None = None  # set by context parallel
+
+    def enable_context_parallel(self, mesh: DeviceMesh) -> None:
+        """Called by context parallel (``distributed/context_parallel/core.py: apply_cp``): the
+        layer then runs on this rank's contiguous stretch of the sequence, its state entering
+        from the ranks before (``distributed/context_parallel/linear.py``). Its index
+        bookkeeping runs eagerly: the block then compiles with graph breaks."""
+        self.cp_mesh = mesh
+        self.compile_graph_breaks = True  # read by distributed/compile.py
 
     def forward(
         self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: OptMask = None, cache: OptCache = None
     ) -> torch.Tensor:
         if cache is not None:
             raise ValueError("Qwen3.5 has no generation cache (docs/qwen3_5.md)")
+        if self.cp_mesh is None:
+            out = self._mix(x, None if mask is None else mask.doc_ids, None)
+            return self.wo(out)
+        # Under TP the gathered input is a replicated DTensor: relayout its local values.
+        spec = (x.device_mesh, x.placements) if isinstance(x, DTensor) else None
+        x_local = x.to_local() if isinstance(x, DTensor) else x
+        relayout = SequenceRelayout(self.cp_mesh, x_local, mask, self.conv.shape[1] - 1)
+        x_win = relayout.to_contiguous(x_local)
+        if spec is not None:
+            x_win = DTensor.from_local(x_win, *spec, run_check=False)
+        out = self._mix(x_win, relayout.doc_ids, relayout)
+        return self.wo(relayout.from_contiguous(out))
+
+    def _mix(
+        self, x: torch.Tensor, doc_ids: torch.Tensor | None, relayout: SequenceRelayout | None
+    ) -> torch.Tensor:
+        """The layer up to ``wo`` (``[B, S, value_dim]``). Under CP ``x`` and ``doc_ids`` are
+        the rank's stretch after ``relayout.halo`` tokens that only feed the convolution."""
+        halo = 0 if relayout is None else relayout.halo
+        mixed = F.silu(causal_conv(self.wqkv(x), local(self.conv), doc_ids))[:, halo:]
+        x = x[:, halo:]
+        docs = None if doc_ids is None else doc_ids[:, halo:]
         bs, seqlen, _ = x.shape
-        doc_ids = None if mask is None else mask.doc_ids
-        mixed = F.silu(causal_conv(self.wqkv(x), local(self.conv), doc_ids))
         mixed = mixed.view(bs, seqlen, -1, 2 * self.dk + self.group * self.dv)  # per key head
         q = _l2norm(mixed[..., : self.dk].float()) * self.dk**-0.5
         k = _l2norm(mixed[..., self.dk : 2 * self.dk].float())
@@ -152,10 +183,15 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(self.wb(x)).float()
         a = self.wa(x).float() + local(self.dt_bias).float()
         g = -local(self.A_log).float().exp() * F.softplus(a)
-        out = delta_rule(q, k, v, g, beta, doc_ids, self.kernel).to(x.dtype)
+        if relayout is None:
+            out = delta_rule(q, k, v, g, beta, docs, self.kernel).to(x.dtype)
+        else:
+            o0, q_eff, trans, contrib = affine_delta_rule(q, k, v, g, beta, docs)
+            entering = relayout.incoming_state(trans, contrib)
+            out = (o0 + torch.einsum("bshk,bhkv->bshv", q_eff, entering)).to(x.dtype)
         z = self.wz(x).view(bs, seqlen, -1, self.dv)
         out = (self.norm(out) * F.silu(z.float())).to(x.dtype)
-        return self.wo(out.reshape(bs, seqlen, -1))
+        return out.reshape(bs, seqlen, -1)
 
 
 class GatedSharedMoE(MoE):

@@ -12,8 +12,11 @@ module a block lacks is skipped):
   and reduce-scattered onto the sequence shard;
 * MoE blocks run whole on each TP rank (``ReplicateParallel``; experts split by EP), as Qwen3's.
 
-Context parallel is refused (``context_parallel=None``): a DeltaNet layer's state would have to
-pass from rank to rank along the sequence.
+Context parallel: the gated-attention layers' cores are swapped as every decoder's; each DeltaNet
+layer runs on its rank's contiguous stretch of the sequence with the state entering from the
+ranks before (``GatedDeltaNet.enable_context_parallel``, ``distributed/context_parallel/linear.py``),
+by the chunked PyTorch rule (the only form here with an entering state): ``linear_kernel`` fla or
+recurrent with CP is refused, as is torch's causal ring (it patches only SDPA).
 """
 
 from __future__ import annotations
@@ -76,4 +79,12 @@ def qwen35_parallel_plan(args: Qwen35Args) -> ModelParallelPlan:
     sizes["linear_num_key_heads"] = args.linear_num_key_heads
     sizes["linear_num_value_heads"] = args.linear_num_value_heads
     block = {**attention_plan(qk_norm=True), **deltanet_plan(), **ffn}
-    return replace(decoder_parallel_plan(args, block, sizes), context_parallel=None)
+    plan = decoder_parallel_plan(args, block, sizes)
+    if args.linear_kernel in ("auto", "chunked"):  # the DeltaNet's state chained over cp
+        assert plan.context_parallel is not None
+        return replace(plan, context_parallel=replace(plan.context_parallel, torch_ring=False))
+    refusal = (
+        f"linear_kernel {args.linear_kernel} has no entering-state form here; under CP the "
+        "DeltaNet runs the chunked PyTorch rule: use linear_kernel auto or chunked"
+    )
+    return replace(plan, context_parallel=None, refusals={"context_parallel": refusal})
