@@ -11,6 +11,7 @@ from typing import Any
 from torchtitan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from torchtitan.models.deepseek_v3.hf import DEEPSEEK_V3_HF, DeepSeekV3Adapter
 from torchtitan.models.deepseek_v3.model import Transformer
+from torchtitan.models.deepseek_v3.mtp import DEEPSEEK_V3_HOOKS
 from torchtitan.models.deepseek_v3.parallel_plan import deepseek_v3_parallel_plan
 from torchtitan.models.spec import FamilySpec
 
@@ -31,6 +32,7 @@ deepseek_v3_spec = DeepSeekV3Spec(
     DEEPSEEK_V3_HF,
     hf_model_types=("deepseek_v3",),
     lora_targets=tuple(f"attention.{w}" for w in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo")),
+    hooks=DEEPSEEK_V3_HOOKS,
 )
 
 __all__ = ["DEEPSEEK_V3_FLAVORS", "DeepSeekV3Args", "Transformer", "deepseek_v3_spec"]

@@ -5,6 +5,7 @@ flavors, the module, its parallel plan and its Hugging Face mapping, put togethe
 
 from __future__ import annotations
 
+from torchtitan.models.common.moe_hooks import MOE_HOOKS
 from torchtitan.models.gpt_oss.args import GPT_OSS_FLAVORS, GptOssArgs
 from torchtitan.models.gpt_oss.hf import GPT_OSS_HF
 from torchtitan.models.gpt_oss.model import Transformer
@@ -12,7 +13,13 @@ from torchtitan.models.gpt_oss.parallel_plan import gpt_oss_parallel_plan
 from torchtitan.models.spec import FamilySpec
 
 gpt_oss_spec = FamilySpec(
-    "gpt_oss", GPT_OSS_FLAVORS, Transformer, gpt_oss_parallel_plan, GPT_OSS_HF, ("gpt_oss",)
+    "gpt_oss",
+    GPT_OSS_FLAVORS,
+    Transformer,
+    gpt_oss_parallel_plan,
+    GPT_OSS_HF,
+    ("gpt_oss",),
+    hooks=MOE_HOOKS,
 )
 
 __all__ = ["GPT_OSS_FLAVORS", "GptOssArgs", "Transformer", "gpt_oss_spec"]

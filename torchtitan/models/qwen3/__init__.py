@@ -4,6 +4,7 @@ docs/moe.md for the MoE layer)."""
 
 from __future__ import annotations
 
+from torchtitan.models.common.moe_hooks import MOE_HOOKS
 from torchtitan.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from torchtitan.models.qwen3.hf import QWEN3_HF
 from torchtitan.models.qwen3.model import Transformer
@@ -11,7 +12,13 @@ from torchtitan.models.qwen3.parallel_plan import qwen3_parallel_plan
 from torchtitan.models.spec import FamilySpec
 
 qwen3_spec = FamilySpec(
-    "qwen3", QWEN3_FLAVORS, Transformer, qwen3_parallel_plan, QWEN3_HF, ("qwen3", "qwen3_moe")
+    "qwen3",
+    QWEN3_FLAVORS,
+    Transformer,
+    qwen3_parallel_plan,
+    QWEN3_HF,
+    ("qwen3", "qwen3_moe"),
+    hooks=MOE_HOOKS,
 )
 
 __all__ = ["QWEN3_FLAVORS", "Qwen3Args", "Transformer", "qwen3_spec"]

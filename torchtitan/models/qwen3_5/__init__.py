@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from torchtitan.models.common.moe_hooks import MOE_HOOKS
 from torchtitan.models.qwen3_5.args import QWEN35_FLAVORS, Qwen35Args
 from torchtitan.models.qwen3_5.hf import QWEN35_HF, Qwen35StateDictAdapter
 from torchtitan.models.qwen3_5.model import Qwen35Transformer
@@ -39,6 +40,7 @@ qwen3_5_spec = Qwen35Spec(
         "linear_attn.wz",
         "linear_attn.wo",
     ),
+    hooks=MOE_HOOKS,
 )
 
 __all__ = ["QWEN35_FLAVORS", "Qwen35Args", "Qwen35Transformer", "qwen3_5_spec"]
