@@ -12,39 +12,42 @@ from torch import nn
 from torchtitan.checkpoint.manager import CheckpointManager
 from torchtitan.config.sections import Checkpoint
 
+SAME_NAMES = (
+    "interval",
+    "keep_latest_k",
+    "async_mode",
+    "load_step",
+    "verify_checksums",
+    "initial_load_path",
+    "initial_load_model_only",
+    "initial_load_in_hf",
+    "last_save_model_only",
+)
+"""The fields of ``[checkpoint]`` the manager takes as they are, under the same names."""
+
 
 def build_checkpointer(
     ck: Checkpoint,
-    *,
     dump_folder: str,
     total_steps: int,
-    model_parts: list[nn.Module],
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: Any,
-    dataloader: Any,
+    state: tuple[list[nn.Module], torch.optim.Optimizer, Any, Any],
     hf_adapter: Callable[[], Any],
     resume_settings: dict[str, dict[str, Any]],
 ) -> CheckpointManager:
-    """Saves and loads under ``<dump_folder>/<checkpoint.folder>``; ``hf_adapter()`` (the
-    family's Hugging Face converter) is asked for only when ``initial_load_in_hf`` is on."""
+    """Saves and loads under ``<dump_folder>/<checkpoint.folder>`` the ``state`` (model parts,
+    optimizer, LR schedule, data loader); ``hf_adapter()`` (the family's Hugging Face
+    converter) is asked for only when ``initial_load_in_hf`` is on."""
+    model_parts, optimizer, lr_scheduler, dataloader = state
     return CheckpointManager(
         root=Path(dump_folder) / ck.folder,
-        interval=ck.interval,
-        keep_latest_k=ck.keep_latest_k,
-        async_mode=ck.async_mode,
-        load_step=ck.load_step,
         total_steps=total_steps,
         model_parts=model_parts,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
         dataloader=dataloader,
-        verify_checksums=ck.verify_checksums,
         exclude_from_loading=tuple(ck.exclude_from_loading),
-        initial_load_path=ck.initial_load_path,
-        initial_load_model_only=ck.initial_load_model_only,
-        initial_load_in_hf=ck.initial_load_in_hf,
         hf_adapter=hf_adapter() if ck.initial_load_in_hf else None,
-        last_save_model_only=ck.last_save_model_only,
         export_dtype=getattr(torch, ck.export_dtype),
         resume_settings=resume_settings,
+        **{name: getattr(ck, name) for name in SAME_NAMES},
     )

@@ -9,6 +9,7 @@ optimizer step with gradient accumulation (``train_step`` and what it calls) is 
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -367,17 +368,10 @@ class Trainer:
 
     def _checkpoint_manager(self) -> CheckpointManager:
         cfg = self.cfg
-        return build_checkpointer(
-            cfg.checkpoint,
-            dump_folder=cfg.job.dump_folder,
-            total_steps=cfg.training.steps,
-            model_parts=self.model_parts,
-            optimizer=self.optimizer,
-            lr_scheduler=self.lr_scheduler,
-            dataloader=self.dataloader,
-            hf_adapter=lambda: self.spec.state_dict_adapter(self.model_args),
-            resume_settings=resume_settings(cfg),
-        )
+        state = (self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader)
+        adapter = partial(self.spec.state_dict_adapter, self.model_args)
+        folder, steps, settings = cfg.job.dump_folder, cfg.training.steps, resume_settings(cfg)
+        return build_checkpointer(cfg.checkpoint, folder, steps, state, adapter, settings)
 
     def _load_initial_only(self) -> None:
         """checkpoint.initial_load_path with checkpointing off: the weights (the model was
@@ -422,18 +416,12 @@ class Trainer:
     def _build_hooks(self) -> list[StepHook]:
         """The loop's optional features (``training/hooks/``). A subclass adds its own by
         extending this list; the loop calls them in its order."""
-        return build_hooks(
-            self.cfg,
-            OffStepTime(self._phase, self.metrics.exclude_time),
-            watchdog=self.watchdog,
-            faults=self.faults,
-            validator=self.validator,
-            evaluator=self.evaluator,
-            profiling=self.profiling,
-            checkpointer=self.checkpointer,
-            global_tokens_per_step=self.global_tokens_per_step,
-            world_mesh=self.parallel_dims.world_mesh,
-        )
+        timing = OffStepTime(self._phase, self.metrics.exclude_time)
+        between = (self.validator, self.evaluator, self.profiling)
+        ck = self.checkpointer
+        checkpoint = (ck, self.global_tokens_per_step) if ck is not None else None
+        mesh = self.parallel_dims.world_mesh
+        return build_hooks(self.cfg, timing, self.watchdog, self.faults, between, checkpoint, mesh)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Step ``self.step``: its (loss, grad norm) as device scalars."""

@@ -17,27 +17,24 @@ from torchtitan.tools.watchdog import Watchdog
 from torchtitan.training.hooks.base import OffStepTime, StepHook
 from torchtitan.training.hooks.checkpoint import CheckpointHook
 from torchtitan.training.hooks.comm import CommTimeoutHook
-from torchtitan.training.hooks.evaluation import EvaluationHook
 from torchtitan.training.hooks.faults import FaultsHook
 from torchtitan.training.hooks.gc import GcHook
+from torchtitan.training.hooks.periodic import PeriodicHook
 from torchtitan.training.hooks.profiler import ProfilerHook
-from torchtitan.training.hooks.validation import ValidationHook
 from torchtitan.training.hooks.watchdog import WatchdogHook
 
 
 def build_hooks(
     cfg: JobConfig,
     timing: OffStepTime,
-    *,
     watchdog: Watchdog | None,
     faults: Faults,
-    validator: Validator | None,
-    evaluator: Evaluator | None,
-    profiling: Profiling,
-    checkpointer: CheckpointManager | None,
-    global_tokens_per_step: int,
+    between_steps: tuple[Validator | None, Evaluator | None, Profiling],
+    checkpoint: tuple[CheckpointManager, int] | None,
     world_mesh: DeviceMesh,
 ) -> list[StepHook]:
+    """``checkpoint``: the manager and the global tokens of a step (saved with the step)."""
+    validator, evaluator, profiling = between_steps
     hooks: list[StepHook] = []
     if cfg.training.gc_freq > 0:
         hooks.append(GcHook(cfg.training.gc_freq))
@@ -45,11 +42,14 @@ def build_hooks(
         hooks.append(WatchdogHook(watchdog))
     hooks.append(FaultsHook(faults))
     if validator is not None:
-        hooks.append(ValidationHook(validator, timing))
+        hooks.append(
+            PeriodicHook(validator.should_validate, validator.validate, "validation", timing)
+        )
     if evaluator is not None:
-        hooks.append(EvaluationHook(evaluator, timing))
+        phase = "evaluation (lm-eval tasks)"
+        hooks.append(PeriodicHook(evaluator.should_evaluate, evaluator.evaluate, phase, timing))
     hooks.append(ProfilerHook(profiling))
-    if checkpointer is not None:
-        hooks.append(CheckpointHook(checkpointer, global_tokens_per_step, timing))
+    if checkpoint is not None:
+        hooks.append(CheckpointHook(*checkpoint, timing))
     hooks.append(CommTimeoutHook(cfg.comm.train_timeout_seconds, world_mesh))
     return hooks
