@@ -1,8 +1,9 @@
 """The Trainer: builds everything in the order of docs/architecture.md (section 3), then runs
 the loop.
 
-Read top-down: ``__init__`` is the build order (one named step each; the builders themselves
-are in ``torchtitan/training/builders.py``), ``train`` is the loop with metrics at ``log_freq``. One
+Read top-down: ``__init__`` is the build order (one named step each; each piece is built beside
+its component, the model in ``torchtitan/training/builders.py``), ``train`` is the loop: the
+step, its metrics, and the hooks of the optional features (``torchtitan/training/hooks/``). One
 optimizer step with gradient accumulation (``train_step`` and what it calls) is in
 ``torchtitan/training/train_step.py``.
 """
