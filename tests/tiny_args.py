@@ -67,7 +67,9 @@ def tiny_deepseek_v3(**extra: Any) -> DeepSeekV3Args:
     """Three blocks (one dense, two MoE with 8 sigmoid-routed experts in 2 groups and a shared
     one) of 4 MLA heads (query and key/value latents of 32, 16 + 8 rotated channels, values of
     16), YaRN RoPE over a 64-position table, no MTP unless ``extra`` says otherwise."""
-    moe = group_routed_experts((8, 2, 32), (2, 1), route_scale=2.5, aux_loss_coef=0.0)
+    moe = group_routed_experts(
+        num_experts=8, top_k=2, expert_dim=32, n_groups=2, topk_groups=1, route_scale=2.5
+    )
     shape: dict[str, Any] = dict(
         THREE_BLOCKS,
         q_lora_rank=32,

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from tests.tiny_args import tiny_deepseek_v3, tiny_gpt_oss, tiny_llama3, tiny_qwen3
@@ -120,8 +121,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def test_peft_folder_round_trips(tmp_path: Path) -> None:
-    family, args, targets, _ = CASES["llama3"]
+MTP_CASE = ("deepseek_v3", tiny_deepseek_v3(mtp_depth=1), CASES["deepseek_v3"][2], "")
+
+
+@pytest.mark.parametrize("case", [CASES["llama3"], MTP_CASE], ids=["llama3", "deepseek_v3_mtp"])
+def test_peft_folder_round_trips(case: tuple[str, Any, list[str], str], tmp_path: Path) -> None:
+    """Every adapter of the model, DeepSeek-V3's MTP block included (its HF layer n_layers + k,
+    as the weights export names it), is written and read back bitwise."""
+    family, args, targets, _ = case
     model, cfg, adapter = lora_model(family, args, targets)
     sd = dict(model.state_dict())
     save_peft_adapters(tmp_path, sd, adapter, cfg, base="base")
@@ -132,6 +139,10 @@ def test_peft_folder_round_trips(tmp_path: Path) -> None:
     assert (got_cfg.rank, got_cfg.alpha, got_cfg.use_rslora) == (4, 8.0, True)
     assert set(got) == {k for k in sd if is_adapter_name(k)}
     assert all(torch.equal(got[k], sd[k]) for k in got)  # the RoPE row order undone exactly
+    if family == "deepseek_v3":  # the MTP block's adapters under layer n_layers + 0
+        written = load_file(str(tmp_path / "adapter_model.safetensors"))
+        layer = f"base_model.model.model.layers.{args.n_layers}.self_attn."
+        assert any(k.startswith(layer) for k in written), sorted(written)[:4]
 
 
 def test_merged_weights_equal_lora_forward_with_experts() -> None:

@@ -3,13 +3,20 @@ test-only family is a faithful second example."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch import nn
 
 import tests.toy_model  # noqa: F401  (registers "toy")
+from tests.tiny_args import tiny_deepseek_v3, tiny_qwen3_5
 from torchtitan.distributed.pipeline_stages import plan_pipeline
 from torchtitan.distributed.tensor_parallel import tp_problem
 from torchtitan.models import MODELS
+from torchtitan.models.common.hf import StateDictAdapter as HFStateDictAdapter
+from torchtitan.models.deepseek_v3.hf import DEEPSEEK_V3_HF
+from torchtitan.models.spec import FamilySpec
 
 
 @pytest.mark.parametrize("name", ["llama3", "toy"])
@@ -64,3 +71,35 @@ def test_tp_rule_names_the_size_that_does_not_divide() -> None:
     assert tp_problem(divisible, 2, 64) is None
     assert "n_heads=4" in (tp_problem(divisible, 3) or "")
     assert "seq_len=63" in (tp_problem(divisible, 2, 63) or "")
+
+
+def _meta_state_dict(family: str, args: Any) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        return dict(MODELS[family].build(args).state_dict())
+
+
+def test_family_specs_are_keyword_built_and_use_their_adapter() -> None:
+    """``FamilySpec`` takes keywords only (docs/extending.md, section 4), and the converter a
+    family names as ``adapter=`` is the one its spec returns: DeepSeek-V3's exports the MTP
+    module as Hugging Face layer ``n_layers`` (the shared adapter has no name for it), Qwen3.5's
+    reads the multimodal checkpoints' ``model.language_model.`` names."""
+    positional: Any = ("toy", {}, nn.Identity, nn.Identity)
+    with pytest.raises(TypeError, match="positional"):
+        FamilySpec(*positional)  # type: ignore[call-arg]  # mypy refuses it too
+
+    ds = tiny_deepseek_v3(mtp_depth=1)
+    ds_sd = _meta_state_dict("deepseek_v3", ds)
+    hf = MODELS["deepseek_v3"].state_dict_adapter(ds).to_hf(ds_sd)  # type: ignore[union-attr]
+    mtp_layer = {k for k in hf if k.startswith(f"model.layers.{ds.n_layers}.")}
+    assert {f"model.layers.{ds.n_layers}.{n}.weight" for n in ("enorm", "hnorm", "eh_proj")} <= (
+        mtp_layer
+    )
+    with pytest.raises(KeyError, match="mtp.0"):
+        HFStateDictAdapter(DEEPSEEK_V3_HF, ds).to_hf(ds_sd)
+
+    qw = tiny_qwen3_5()
+    qw_sd = _meta_state_dict("qwen3_5", qw)
+    adapter: Any = MODELS["qwen3_5"].state_dict_adapter(qw)
+    text = adapter.to_hf(qw_sd)
+    wrapped = {k.replace("model.", "model.language_model.", 1): w for k, w in text.items()}
+    assert wrapped != text and adapter.from_hf(wrapped).keys() == qw_sd.keys()

@@ -46,6 +46,10 @@ def _hf_name(adapter: Any, weight_key: str) -> tuple[str, Any]:
     m = getattr(adapter, "mapping", None)
     if m is None:  # names are transformers' own already (the hf family, docs/hf_models.md)
         return weight_key.removesuffix(".weight"), None
+    if hasattr(adapter, "peft_key"):  # DeepSeek-V3's MTP modules: under their HF layers
+        weight_key = adapter.peft_key(weight_key)
+        if weight_key.startswith(m.layers[1]):  # a Hugging Face name already
+            return weight_key.removesuffix(".weight"), None
     if weight_key in m.top:
         return m.top[weight_key].removesuffix(".weight"), None
     found = re.match(rf"^{re.escape(m.layers[0])}\.(\d+)\.(.+)$", weight_key)

@@ -86,19 +86,6 @@ head, the norm epsilon): a run that starts from the folder takes them from it
 (:func:`hf_folder_settings`); its shapes stay the flavor's."""
 
 
-def hf_config_mismatch(family: str, config: Mapping[str, Any], args: Any) -> str | None:
-    """Where a ``config.json`` (read into ``family``'s args, keys checked as in
-    :func:`check_hf_config`) and the run's ``args`` disagree on :data:`HONOURED_FIELDS`, one
-    phrase naming the field and both values; None when they agree."""
-    theirs = MODELS[family].hf.config.args_from_hf(config)  # type: ignore[attr-defined]
-    for name in HONOURED_FIELDS:
-        if hasattr(args, name) and getattr(theirs, name) != getattr(args, name):
-            return (
-                f"{name} is {getattr(theirs, name)!r} there, {getattr(args, name)!r} in the flavor"
-            )
-    return None
-
-
 def hf_folder_settings(cfg: Any) -> dict[str, Any]:
     """What a run that starts from a Hugging Face folder (``checkpoint.initial_load_in_hf``)
     takes from its ``config.json`` beyond the shapes: the :data:`HONOURED_FIELDS` (RoPE
@@ -182,7 +169,6 @@ __all__ = [
     "flavor_args",
     "flavor_of",
     "hf_folder_settings",
-    "hf_config_mismatch",
     "model_title",
     "run_args",
     "runtime_args",

@@ -165,11 +165,12 @@ class ModelSpec(Protocol):
         ...
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class FamilySpec:
-    """The one :class:`ModelSpec` implementation a family instantiates with its pieces
-    (docs/extending.md, section 4): its args carry the closed-form counts (``num_params``,
-    ``flops_per_token``; ``models/common/args.py``), its ``hf`` mapping gives the adapter."""
+    """The one :class:`ModelSpec` implementation a family instantiates with its pieces, by
+    keyword (docs/extending.md, section 4): its args carry the closed-form counts
+    (``num_params``, ``flops_per_token``; ``models/common/args.py``), its ``hf`` mapping and
+    ``adapter`` class give the Hugging Face converter."""
 
     name: str
     flavors: Mapping[str, Any]
@@ -182,6 +183,10 @@ class FamilySpec:
     lora_targets: tuple[str, ...] = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
     """What ``lora.target_modules = []`` (the default) adapts: the family's attention
     projections (docs/lora.md)."""
+    adapter: Callable[[HFMapping, Any], HFStateDictAdapter] = HFStateDictAdapter
+    """The converter class applying ``hf`` (a family whose checkpoints hold more than the
+    mapping says subclasses the shared one: DeepSeek-V3's MTP layers, Qwen3.5's multimodal
+    wrapper)."""
     hooks: FamilyHooks = NO_HOOKS
     """What the family adds to the training loop (MoE families: ``MOE_HOOKS``)."""
 
@@ -198,7 +203,7 @@ class FamilySpec:
         return int(args.flops_per_token(seq_len))
 
     def state_dict_adapter(self, args: Any) -> HFStateDictAdapter | None:
-        return None if self.hf is None else HFStateDictAdapter(self.hf, args)
+        return None if self.hf is None else self.adapter(self.hf, args)
 
 
 def runtime_args(

@@ -3,9 +3,7 @@ float8, observability and checkpointing (part of ``validate_config``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 from torchtitan.checkpoint.manager import COMPONENTS
 from torchtitan.checkpoint.storage import complete_steps
@@ -15,7 +13,7 @@ from torchtitan.distributed.activation_checkpoint import parse_selective_option
 from torchtitan.distributed.float8 import float8_unsupported_reason
 from torchtitan.distributed.pipeline_stages import SCHEDULES, normalize_schedule_name
 from torchtitan.distributed.utils import device_type
-from torchtitan.models import MODELS, flavor_args, flavor_of, hf_config_mismatch
+from torchtitan.models import MODELS, flavor_args, flavor_of
 from torchtitan.preflight.validate_weights import validate_hf_family
 
 
@@ -210,7 +208,6 @@ def validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
             )
         if spec is not None and flavor is not None:
             validate_hf_family(cfg)  # readable, a family we train, the run's (validate_weights)
-            _check_hf_config_json(Path(ck.initial_load_path), cfg.model.name, flavor_args(cfg))
     if ck.async_mode == "async_with_pinned_mem" and device_type() != "cuda":
         raise ConfigError(
             "checkpoint.async_mode",
@@ -327,32 +324,4 @@ def validate_attention(cfg: JobConfig, cp: int) -> None:
             "to the next cp rank point to point; the rotate method applies to torch's ring "
             "(causal) only",
             "drop --parallelism.context_parallel_rotate_method",
-        )
-
-
-def _check_hf_config_json(folder: Path, family: str, args: Any) -> None:
-    """The folder's ``config.json`` keys (docs/hf_io.md, "Config keys": a value we cannot
-    compute is refused, an unknown key warned about) and that it describes a ``family`` model
-    agreeing with ``args``: the run's flavor with the folder's own RoPE / window / tied-head
-    settings (``models.flavor_args``), which the run builds."""
-    path = folder / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return  # no readable config.json: the weights' names and shapes are checked on load
-    if not isinstance(config, dict):
-        return
-    try:
-        problem = hf_config_mismatch(family, config, args)
-    except ConfigError:
-        raise
-    except (KeyError, TypeError, ValueError) as e:
-        problem = f"it does not describe a {family} model ({e})"
-    if problem is not None:
-        raise ConfigError(
-            "checkpoint.initial_load_path",
-            str(folder),
-            f"config.json: {problem}",
-            f"use a Hugging Face folder of a {family} model, or convert it with python -m "
-            "torchtitan.convert from-hf and check its args",
         )

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
-
-A = TypeVar("A")
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -129,18 +126,6 @@ class DecoderArgsBase(abc.ABC):
 
 DEBUG_SHAPE: dict[str, Any] = {"dim": 256, "n_heads": 8, "vocab_size": 2048, "max_seq_len": 2048}
 """What the families' ``debugmodel`` flavors share (each adds its depth and its own fields)."""
-
-
-def flavor_table(
-    make: Callable[..., A],
-    columns: tuple[str, ...],
-    rows: Mapping[str, tuple[Any, ...]],
-    **shared: Any,
-) -> dict[str, A]:
-    """Named flavors from a table: each row gives ``columns`` in order, ``shared`` the rest."""
-    return {
-        name: make(**shared, **dict(zip(columns, row, strict=True))) for name, row in rows.items()
-    }
 
 
 def mtp_overrides(args: Any, model_cfg: Any) -> Any:

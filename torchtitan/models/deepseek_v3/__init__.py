@@ -5,9 +5,6 @@ its parallel plan and its Hugging Face mapping, put together as a ``FamilySpec``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from torchtitan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from torchtitan.models.deepseek_v3.hf import DEEPSEEK_V3_HF, DeepSeekV3Adapter
 from torchtitan.models.deepseek_v3.model import Transformer
@@ -15,24 +12,12 @@ from torchtitan.models.deepseek_v3.mtp import DEEPSEEK_V3_HOOKS
 from torchtitan.models.deepseek_v3.parallel_plan import deepseek_v3_parallel_plan
 from torchtitan.models.spec import FamilySpec
 
-
-@dataclass(frozen=True)
-class DeepSeekV3Spec(FamilySpec):
-    """The shared spec; its adapter also converts the MTP layers (``hf.py``)."""
-
-    def state_dict_adapter(self, args: Any) -> DeepSeekV3Adapter:
-        return DeepSeekV3Adapter(DEEPSEEK_V3_HF, args)
-
-
-deepseek_v3_spec = DeepSeekV3Spec(
-    "deepseek_v3",
-    DEEPSEEK_V3_FLAVORS,
-    Transformer,
-    deepseek_v3_parallel_plan,
-    DEEPSEEK_V3_HF,
-    hf_model_types=("deepseek_v3",),
+deepseek_v3_spec = FamilySpec(
+    name="deepseek_v3", flavors=DEEPSEEK_V3_FLAVORS, model=Transformer,
+    plan=deepseek_v3_parallel_plan, hf=DEEPSEEK_V3_HF, hf_model_types=("deepseek_v3",),
+    adapter=DeepSeekV3Adapter,  # also converts the MTP layers (hf.py)
     lora_targets=tuple(f"attention.{w}" for w in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo")),
-    hooks=DEEPSEEK_V3_HOOKS,
-)
+    hooks=DEEPSEEK_V3_HOOKS,  # the MoE hooks and the MTP loss in the metrics (mtp.py)
+)  # fmt: skip
 
 __all__ = ["DEEPSEEK_V3_FLAVORS", "DeepSeekV3Args", "Transformer", "deepseek_v3_spec"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase
 from torchtitan.models.common.moe import MoEArgs
@@ -40,9 +41,13 @@ class DeepSeekV3Args(DecoderArgsBase):
     q_lora_rank: int = 0
     """Rank of the query latent; 0: queries are projected directly (``wq``, V2-Lite)."""
     kv_lora_rank: int = 512
+    """Rank of the key/value latent (what generation caches per token, with the rotated key)."""
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
+    """Each query/key head is a non-rotated part and a rotated part (even; one rotated key
+    shared by all heads)."""
     v_head_dim: int = 128
+    """Width of each value head."""
     attention_bias: bool = False
     """Biases on ``wq_a``, ``wkv_a`` and ``wo`` (HF ``attention_bias``; transformers puts them on
     ``q_a_proj``, ``kv_a_proj_with_mqa`` and ``o_proj``, none on ``q_proj``/``q_b_proj``/``kv_b_proj``)."""
@@ -52,14 +57,22 @@ class DeepSeekV3Args(DecoderArgsBase):
     n_dense_layers: int = 1
     """Blocks 0 .. n_dense_layers - 1 are dense (HF ``first_k_dense_replace``), the rest MoE."""
     moe: MoEArgs | None = None
+    """The MoE layer of the blocks from ``n_dense_layers`` on; None only when every block is
+    dense."""
 
     rope_factor: float = 1.0
     """YaRN context stretch; 1.0: plain RoPE."""
     rope_original_max_seq_len: int = 4096
+    """The context before the stretch (HF ``original_max_position_embeddings``)."""
     rope_beta_fast: float = 32.0
     rope_beta_slow: float = 1.0
+    """YaRN's ramp (HF ``beta_fast``, ``beta_slow``): frequencies turning more than
+    ``beta_fast`` times over the original context are kept, fewer than ``beta_slow`` are
+    stretched by ``rope_factor``, those between blended."""
     rope_mscale: float = 1.0
     rope_mscale_all_dim: float = 0.0
+    """YaRN's magnitude corrections (HF ``mscale``, ``mscale_all_dim``): how they scale the
+    rotation and the softmax is ``rope_attention_factor`` and ``softmax_scale``."""
 
     mtp_depth: int = 0
     """Multi-token-prediction modules (each predicts one token further); 0: none."""
@@ -152,86 +165,37 @@ class DeepSeekV3Args(DecoderArgsBase):
         return (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_value * self.n_layers
 
 
-def group_routed_experts(
-    experts: tuple[int, int, int], groups: tuple[int, int], route_scale: float, aux_loss_coef: float
-) -> MoEArgs:
-    """DeepSeek-V3's routing: ``experts`` = (routed experts, top-k, width), sigmoid scores, the
-    top-k within the best ``groups[1]`` of ``groups[0]`` groups, one shared expert, routing-bias
-    updates of 0.001."""
-    num_experts, top_k, expert_dim = experts
-    n_groups, topk_groups = groups
-    return MoEArgs(
-        num_experts=num_experts,
-        top_k=top_k,
-        expert_dim=expert_dim,
-        num_shared_experts=1,
-        score_func="sigmoid",
-        route_scale=route_scale,
-        n_groups=n_groups,
-        topk_groups=topk_groups,
-        aux_loss_coef=aux_loss_coef,
-        bias_update_rate=0.001,
-    )
-
-
-_DEBUG = DeepSeekV3Args(
-    **DEBUG_SHAPE,
-    n_layers=4,
-    q_lora_rank=128,
-    kv_lora_rank=64,
-    qk_nope_head_dim=32,
-    qk_rope_head_dim=16,
-    v_head_dim=32,
-    intermediate_size=512,
-    n_dense_layers=1,
-    moe=group_routed_experts((8, 2, 128), (2, 1), route_scale=1.0, aux_loss_coef=0.001),
-    rope_factor=4.0,
-    rope_original_max_seq_len=512,
-    rope_mscale=1.0,
-    rope_mscale_all_dim=1.0,
-    mtp_depth=1,
+group_routed_experts = partial(
+    MoEArgs, num_shared_experts=1, score_func="sigmoid", bias_update_rate=0.001
 )
+"""DeepSeek-V3's routing (``MoEArgs`` with these defaults): sigmoid scores, the top-k within the
+best ``topk_groups`` of ``n_groups`` groups, one shared expert, routing-bias updates of 0.001."""
 
 DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
-    "debugmodel": _DEBUG,
+    "debugmodel": DeepSeekV3Args(
+        **DEBUG_SHAPE, n_layers=4, intermediate_size=512, n_dense_layers=1, mtp_depth=1,
+        q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        moe=group_routed_experts(num_experts=8, top_k=2, expert_dim=128, n_groups=2,
+                                 topk_groups=1, route_scale=1.0, aux_loss_coef=0.001),
+        rope_factor=4.0, rope_original_max_seq_len=512, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+    ),
     # DeepSeek-V2-Lite's published shape (deepseek-ai/DeepSeek-V2-Lite config.json): 15.7B.
     "16B": DeepSeekV3Args(
-        dim=2048,
-        n_layers=27,
-        n_heads=16,
-        vocab_size=102400,
-        moe=MoEArgs(
-            num_experts=64,
-            top_k=6,
-            expert_dim=1408,
-            num_shared_experts=2,
-            score_func="softmax",
-            route_norm=False,
-            aux_loss_coef=0.001,
-        ),
-        rope_factor=40.0,
-        rope_mscale=0.707,
-        rope_mscale_all_dim=0.707,
-        max_seq_len=163840,
+        dim=2048, n_layers=27, n_heads=16, vocab_size=102400, max_seq_len=163840,
+        moe=MoEArgs(num_experts=64, top_k=6, expert_dim=1408, num_shared_experts=2,
+                    score_func="softmax", route_norm=False, aux_loss_coef=0.001),
+        rope_factor=40.0, rope_mscale=0.707, rope_mscale_all_dim=0.707,
     ),
     # DeepSeek-V3's published shape (deepseek-ai/DeepSeek-V3 config.json): 671B + the MTP module.
     "671B": DeepSeekV3Args(
-        dim=7168,
-        n_layers=61,
-        n_heads=128,
-        vocab_size=129280,
-        q_lora_rank=1536,
-        intermediate_size=18432,
-        n_dense_layers=3,
+        dim=7168, n_layers=61, n_heads=128, vocab_size=129280, max_seq_len=163840,
+        q_lora_rank=1536, intermediate_size=18432, n_dense_layers=3, mtp_depth=1,
         # 256 routed experts, top-8 in at most 4 of 8 groups
-        moe=group_routed_experts((256, 8, 2048), (8, 4), route_scale=2.5, aux_loss_coef=0.0001),
-        rope_factor=40.0,
-        rope_mscale=1.0,
-        rope_mscale_all_dim=1.0,
-        max_seq_len=163840,
-        mtp_depth=1,
+        moe=group_routed_experts(num_experts=256, top_k=8, expert_dim=2048, n_groups=8,
+                                 topk_groups=4, route_scale=2.5, aux_loss_coef=0.0001),
+        rope_factor=40.0, rope_mscale=1.0, rope_mscale_all_dim=1.0,
     ),
-}
+}  # fmt: skip
 """The named shapes. The trainer replaces ``vocab_size`` (tokenizer) and ``max_seq_len``
 (``training.seq_len``)."""
 

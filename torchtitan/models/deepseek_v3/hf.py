@@ -196,21 +196,30 @@ class DeepSeekV3Adapter(SharedAdapter):
         found = self._mtp.match(key)
         return None if found is None else (self.args.n_layers + int(found[1]), found[2])
 
+    def peft_key(self, key: str) -> str:
+        """Our weight ``key`` as the PEFT export names it (``lora/peft_io.py``): an MTP block's
+        tensor under the shared mapping's layer ``n_layers + k``, an MTP projection under its
+        Hugging Face name; other keys unchanged."""
+        found = self._mtp_layer(key)
+        if found is None:
+            return key
+        layer, name = found
+        if name.startswith("block."):
+            return f"layers.{layer}.{name.removeprefix('block.')}"
+        if name not in MTP_NAMES:
+            raise KeyError(f"no Hugging Face name for {key!r}")
+        return f"model.layers.{layer}.{MTP_NAMES[name]}"
+
     def to_hf_one(
         self, key: str, w: torch.Tensor, check: bool = True
     ) -> list[tuple[str, torch.Tensor]]:
         """The shared mapping; an MTP tensor under its layer ``n_layers + k``; the embedding
         (and the untied head) also as each MTP layer's copy (``embed_tokens``,
         ``shared_head.head``), as the release stores them."""
-        found = self._mtp_layer(key)
-        if found is None:
+        if self._mtp_layer(key) is None:
             return super().to_hf_one(key, w, check) + self._copies(key, w)
-        layer, name = found
-        if name.startswith("block."):  # the block's tensors under the layer's HF names
-            return super().to_hf_one(f"layers.{layer}.{name.removeprefix('block.')}", w, check)
-        if name not in MTP_NAMES:
-            raise KeyError(f"no Hugging Face name for {key!r}")
-        return [(f"model.layers.{layer}.{MTP_NAMES[name]}", w)]
+        inner = self.peft_key(key)  # the block's tensors under the layer's HF names
+        return [(inner, w)] if inner.startswith("model.") else super().to_hf_one(inner, w, check)
 
     def _copies(self, key: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         hf = [n for n, ours in MTP_SHARED_COPIES.items() if ours == key]
@@ -225,18 +234,14 @@ class DeepSeekV3Adapter(SharedAdapter):
     def from_hf_box(
         self, key: str, shape: tuple[int, ...], box: Box, source: HFSource
     ) -> torch.Tensor:
-        found = self._mtp_layer(key)
-        if found is None:
+        if self._mtp_layer(key) is None:
             return super().from_hf_box(key, shape, box, source)
-        layer, name = found
-        if name.startswith("block."):
-            inner = f"layers.{layer}.{name.removeprefix('block.')}"
+        inner = self.peft_key(key)
+        if not inner.startswith("model."):
             return super().from_hf_box(inner, shape, box, source)
-        if name not in MTP_NAMES:
-            raise KeyError(f"no Hugging Face name for {key!r}")
         if any(s.stop <= s.start for s in box):
             return torch.empty(box_shape(box))
-        return source.read(f"model.layers.{layer}.{MTP_NAMES[name]}", box)
+        return source.read(inner, box)
 
     def mtp_layers_in(self, names: Iterable[str]) -> int:
         """How many of our ``mtp_depth`` MTP layers the HF tensor ``names`` hold (from the

@@ -13,13 +13,9 @@ from torchtitan.models.gpt_oss.parallel_plan import gpt_oss_parallel_plan
 from torchtitan.models.spec import FamilySpec
 
 gpt_oss_spec = FamilySpec(
-    "gpt_oss",
-    GPT_OSS_FLAVORS,
-    Transformer,
-    gpt_oss_parallel_plan,
-    GPT_OSS_HF,
-    ("gpt_oss",),
+    name="gpt_oss", flavors=GPT_OSS_FLAVORS, model=Transformer, plan=gpt_oss_parallel_plan,
+    hf=GPT_OSS_HF, hf_model_types=("gpt_oss",),
     hooks=MOE_HOOKS,
-)
+)  # fmt: skip
 
 __all__ = ["GPT_OSS_FLAVORS", "GptOssArgs", "Transformer", "gpt_oss_spec"]

@@ -10,7 +10,7 @@ clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase
 from torchtitan.models.common.moe import MoEArgs
@@ -41,7 +41,7 @@ class GptOssArgs(DecoderArgsBase):
     layer_types: tuple[str, ...] | None = None
     """``sliding_attention`` / ``full_attention`` per block; None: :func:`alternating_layers`."""
 
-    yarn: YarnScaling | None = YarnScaling(32.0, 4096, truncate=False)
+    yarn: YarnScaling | None = YarnScaling(factor=32.0, original_max_seq_len=4096, truncate=False)
     """YaRN RoPE (``models/common/rope.py``); None: plain RoPE. Published: factor 32 over an
     original context of 4096, betas 32 / 1, no truncation of the ramp."""
 
@@ -109,23 +109,17 @@ class GptOssArgs(DecoderArgsBase):
         return 6 * self.num_params(exclude_embedding=True, active=True) + attention
 
 
-_DEBUG = GptOssArgs(
-    **DEBUG_SHAPE,
-    n_layers=4,
-    n_kv_heads=4,
-    head_dim=32,
-    moe=MoEArgs(num_experts=8, top_k=2, expert_dim=128),
-    sliding_window=32,
-    yarn=YarnScaling(8.0, 256, truncate=False),
-)
-_20B = GptOssArgs(dim=2880, n_layers=24, n_heads=64, vocab_size=201088)
-
 GPT_OSS_FLAVORS: dict[str, GptOssArgs] = {
-    "debugmodel": _DEBUG,
+    "debugmodel": GptOssArgs(
+        **DEBUG_SHAPE, n_layers=4, n_kv_heads=4, head_dim=32, sliding_window=32,
+        moe=MoEArgs(num_experts=8, top_k=2, expert_dim=128),
+        yarn=YarnScaling(factor=8.0, original_max_seq_len=256, truncate=False),
+    ),
     # Published shapes (Hugging Face config.json of openai/gpt-oss-20b and -120b).
-    "20b": _20B,
-    "120b": replace(_20B, n_layers=36, moe=replace(_20B.moe, num_experts=128)),
-}
+    "20b": GptOssArgs(dim=2880, n_layers=24, n_heads=64, vocab_size=201088),
+    "120b": GptOssArgs(dim=2880, n_layers=36, n_heads=64, vocab_size=201088,
+                       moe=MoEArgs(num_experts=128, top_k=4, expert_dim=2880)),
+}  # fmt: skip
 """The named shapes. The trainer replaces ``vocab_size`` (tokenizer) and ``max_seq_len``
 (``training.seq_len``); YaRN reads only its own ``original_max_seq_len``."""
 

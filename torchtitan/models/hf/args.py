@@ -39,17 +39,25 @@ class HFArgs:
     trainer replaces ``vocab_size`` (the tokenizer's) and ``max_seq_len``."""
 
     path: str
+    """The folder or ``config.json`` (``model.flavor``)."""
     hf_config: Mapping[str, Any] = dataclasses.field(repr=False, compare=False, hash=False)
+    """The file's contents, as read and checked (:func:`read_hf_config`)."""
     n_layers: int = 0
     vocab_size: int = 0
     max_seq_len: int = 2048
+    """``num_hidden_layers``, ``vocab_size``, ``max_position_embeddings`` (read through a
+    ``text_config`` where the file nests one, as the other shape fields)."""
     dim: int = 0
+    """``hidden_size`` (or ``d_model``)."""
     n_heads: int = 0
     n_kv_heads: int = 0
+    """``num_attention_heads``; ``num_key_value_heads``, defaulting to the former."""
     head_dim_: int = 0
+    """``head_dim``, defaulting to ``dim // n_heads`` (read as the :attr:`head_dim` property)."""
     intermediate_size: int = 0
     tie_word_embeddings: bool = False
     trust_remote_code: bool = False
+    """Build the folder's own code (``auto_map``): the user opted in and the file names some."""
 
     @property
     def head_dim(self) -> int:

@@ -10,7 +10,8 @@ from torchtitan.models.llama3.parallel_plan import llama3_parallel_plan
 from torchtitan.models.spec import FamilySpec
 
 llama3_spec = FamilySpec(
-    "llama3", LLAMA3_FLAVORS, Transformer, llama3_parallel_plan, LLAMA3_HF, ("llama",)
-)
+    name="llama3", flavors=LLAMA3_FLAVORS, model=Transformer, plan=llama3_parallel_plan,
+    hf=LLAMA3_HF, hf_model_types=("llama",),
+)  # fmt: skip
 
 __all__ = ["LLAMA3_FLAVORS", "ModelArgs", "Transformer", "llama3_spec"]

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
-from torchtitan.models.common.args import DecoderArgsBase, flavor_table
+from torchtitan.models.common.args import DecoderArgsBase
 from torchtitan.models.common.rope import Llama3Scaling, RopeScaling
 
 
@@ -49,23 +50,21 @@ class ModelArgs(DecoderArgsBase):
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
 
-_COLUMNS: tuple[str, ...] = ("dim", "n_layers", "n_heads", "ffn_dim_multiplier", "multiple_of")
-_COLUMNS += ("rope_scaling", "tie_word_embeddings")
+_published = partial(
+    ModelArgs, n_kv_heads=8, rope_theta=500000.0, rope_scaling=Llama3Scaling(factor=8.0)
+)
+"""What the published Llama 3.1 shapes share: 8 key/value heads, RoPE base 500000 with Llama
+3.1's frequency scaling (factor 8)."""
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=2048, max_seq_len=2048),
-    **flavor_table(
-        ModelArgs,
-        _COLUMNS,
-        {
-            "1B": (2048, 16, 32, 1.5, 256, Llama3Scaling(32.0), True),  # shaped like Llama 3.2 1B
-            "8B": (4096, 32, 32, 1.3, 1024, Llama3Scaling(8.0), False),
-            "70B": (8192, 80, 64, 1.3, 4096, Llama3Scaling(8.0), False),
-            "405B": (16384, 126, 128, 1.2, 4096, Llama3Scaling(8.0), False),
-        },
-        n_kv_heads=8,
-        rope_theta=500000.0,
-    ),
-}
+    # shaped like Llama 3.2 1B
+    "1B": _published(dim=2048, n_layers=16, n_heads=32, ffn_dim_multiplier=1.5, multiple_of=256,
+                     rope_scaling=Llama3Scaling(factor=32.0), tie_word_embeddings=True),
+    "8B": _published(dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3, multiple_of=1024),
+    "70B": _published(dim=8192, n_layers=80, n_heads=64, ffn_dim_multiplier=1.3, multiple_of=4096),
+    "405B": _published(dim=16384, n_layers=126, n_heads=128, ffn_dim_multiplier=1.2,
+                       multiple_of=4096),
+}  # fmt: skip
 """The named model shapes. The trainer replaces ``vocab_size`` (tokenizer) and ``max_seq_len``
 (``training.seq_len``) with ``dataclasses.replace``."""

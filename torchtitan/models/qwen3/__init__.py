@@ -12,13 +12,9 @@ from torchtitan.models.qwen3.parallel_plan import qwen3_parallel_plan
 from torchtitan.models.spec import FamilySpec
 
 qwen3_spec = FamilySpec(
-    "qwen3",
-    QWEN3_FLAVORS,
-    Transformer,
-    qwen3_parallel_plan,
-    QWEN3_HF,
-    ("qwen3", "qwen3_moe"),
+    name="qwen3", flavors=QWEN3_FLAVORS, model=Transformer, plan=qwen3_parallel_plan,
+    hf=QWEN3_HF, hf_model_types=("qwen3", "qwen3_moe"),
     hooks=MOE_HOOKS,
-)
+)  # fmt: skip
 
 __all__ = ["QWEN3_FLAVORS", "Qwen3Args", "Transformer", "qwen3_spec"]

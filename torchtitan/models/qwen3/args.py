@@ -11,9 +11,10 @@ Mixture-of-Experts (``models/common/moe.py``, docs/moe.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import ClassVar
 
-from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase, flavor_table
+from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.rope import RopeScaling
 
@@ -97,50 +98,40 @@ class Qwen3Args(DecoderArgsBase):
         return super()._ffn_params(layer_id, active)
 
 
-def _experts(expert_dim: int) -> MoEArgs:
+def _experts(*, expert_dim: int) -> MoEArgs:
     """The published Qwen3-MoE layer: 128 experts, top-8, softmax scores."""
     return MoEArgs(
         num_experts=128, top_k=8, expert_dim=expert_dim, score_func="softmax", aux_loss_coef=0.001
     )
 
 
+_published = partial(Qwen3Args, n_kv_heads=8, head_dim=128, vocab_size=151936)
+"""What the published Qwen3 shapes share: 8 key/value heads (the MoE ones: 4) of width 128,
+the 151936-token vocabulary."""
+
 _DEBUG = Qwen3Args(**DEBUG_SHAPE, n_layers=6, n_kv_heads=4, head_dim=32, intermediate_size=512)
 _DEBUG_EXPERTS = MoEArgs(
     num_experts=8, top_k=2, expert_dim=128, num_shared_experts=1, aux_loss_coef=0.01
 )
-_COLUMNS = ("dim", "n_layers", "n_heads", "intermediate_size")
 
 QWEN3_FLAVORS: dict[str, Qwen3Args] = {
     "debugmodel": _DEBUG,
     "debugmodel_moe": replace(_DEBUG, n_layers=4, moe=_DEBUG_EXPERTS),
     # Published shapes (Hugging Face config.json of Qwen/Qwen3-*).
-    **flavor_table(
-        Qwen3Args,
-        (*_COLUMNS, "tie_word_embeddings"),
-        {
-            "0.6B": (1024, 28, 16, 3072, True),
-            "1.7B": (2048, 28, 16, 6144, True),
-            "4B": (2560, 36, 32, 9728, True),
-            "8B": (4096, 36, 32, 12288, False),
-            "14B": (5120, 40, 40, 17408, False),
-            "32B": (5120, 64, 64, 25600, False),
-        },
-        n_kv_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-    ),
-    **flavor_table(
-        Qwen3Args,
-        (*_COLUMNS, "moe"),
-        {
-            "30B-A3B": (2048, 48, 32, 6144, _experts(768)),
-            "235B-A22B": (4096, 94, 64, 12288, _experts(1536)),
-        },
-        n_kv_heads=4,
-        head_dim=128,
-        vocab_size=151936,
-    ),
-}
+    "0.6B": _published(dim=1024, n_layers=28, n_heads=16, intermediate_size=3072,
+                       tie_word_embeddings=True),
+    "1.7B": _published(dim=2048, n_layers=28, n_heads=16, intermediate_size=6144,
+                       tie_word_embeddings=True),
+    "4B": _published(dim=2560, n_layers=36, n_heads=32, intermediate_size=9728,
+                     tie_word_embeddings=True),
+    "8B": _published(dim=4096, n_layers=36, n_heads=32, intermediate_size=12288),
+    "14B": _published(dim=5120, n_layers=40, n_heads=40, intermediate_size=17408),
+    "32B": _published(dim=5120, n_layers=64, n_heads=64, intermediate_size=25600),
+    "30B-A3B": _published(dim=2048, n_layers=48, n_heads=32, intermediate_size=6144,
+                          n_kv_heads=4, moe=_experts(expert_dim=768)),
+    "235B-A22B": _published(dim=4096, n_layers=94, n_heads=64, intermediate_size=12288,
+                            n_kv_heads=4, moe=_experts(expert_dim=1536)),
+}  # fmt: skip
 """The named shapes. The trainer replaces ``vocab_size`` (tokenizer) and ``max_seq_len``
 (``training.seq_len``)."""
 

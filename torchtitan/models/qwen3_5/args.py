@@ -13,10 +13,11 @@ sigmoid gate scales.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import ClassVar
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase, flavor_table
+from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3_5.delta_rule import fla_available, fla_problem
 
@@ -228,62 +229,40 @@ class Qwen35Args(DecoderArgsBase):
 
 
 _DEBUG = Qwen35Args(
-    **DEBUG_SHAPE,
-    n_layers=4,
-    n_kv_heads=2,
-    head_dim=32,
-    intermediate_size=512,
-    linear_num_key_heads=4,
-    linear_num_value_heads=8,
-    linear_key_head_dim=32,
-    linear_value_head_dim=32,
-)
+    **DEBUG_SHAPE, n_layers=4, n_kv_heads=2, head_dim=32, intermediate_size=512,
+    linear_num_key_heads=4, linear_num_value_heads=8,
+    linear_key_head_dim=32, linear_value_head_dim=32,
+)  # fmt: skip
 _DEBUG_EXPERTS = MoEArgs(num_experts=8, top_k=2, expert_dim=128, aux_loss_coef=0.001)
-
-
-def _experts(n: int, k: int, width: int) -> MoEArgs:
-    return MoEArgs(num_experts=n, top_k=k, expert_dim=width, aux_loss_coef=0.001)
-
-
-_SHARED = {"head_dim": 256, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
+_experts = partial(MoEArgs, aux_loss_coef=0.001)
+"""The published MoE layer: softmax top-k, load-balancing loss weight 0.001."""
 
 QWEN35_FLAVORS: dict[str, Qwen35Args] = {
     # Both layer kinds: layers 0-2 DeltaNet, layer 3 full attention.
     "debugmodel": _DEBUG,
     "debugmodel_moe": replace(_DEBUG, moe=_DEBUG_EXPERTS, shared_expert_dim=128),
-    # Published shapes (text_config of the Hugging Face config.json of Qwen/Qwen3.5-*).
-    **flavor_table(
-        Qwen35Args,
-        (
-            "dim",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "intermediate_size",
-            "linear_num_value_heads",
-            "tie_word_embeddings",
-        ),
-        {
-            "0.8B": (1024, 24, 8, 2, 3584, 16, True),
-            "2B": (2048, 24, 8, 2, 6144, 16, True),
-            "4B": (2560, 32, 16, 4, 9216, 32, True),
-            "9B": (4096, 32, 16, 4, 12288, 32, False),
-            "27B": (5120, 64, 24, 4, 17408, 48, False),
-        },
-        **_SHARED,
-    ),
-    **flavor_table(
-        Qwen35Args,
-        ("dim", "n_layers", "n_heads", "linear_num_value_heads", "moe", "shared_expert_dim"),
-        {
-            "35B-A3B": (2048, 40, 16, 32, _experts(256, 8, 512), 512),
-            "122B-A10B": (3072, 48, 32, 64, _experts(256, 8, 1024), 1024),
-            "397B-A17B": (4096, 60, 32, 64, _experts(512, 10, 1024), 1024),
-        },
-        n_kv_heads=2,
-        **_SHARED,
-    ),
-}
+    # Published shapes (text_config of the Hugging Face config.json of Qwen/Qwen3.5-*); head
+    # widths (256 full attention, 128 DeltaNet) and the vocabulary are the class defaults.
+    "0.8B": Qwen35Args(dim=1024, n_layers=24, n_heads=8, n_kv_heads=2, intermediate_size=3584,
+                       linear_num_value_heads=16, tie_word_embeddings=True),
+    "2B": Qwen35Args(dim=2048, n_layers=24, n_heads=8, n_kv_heads=2, intermediate_size=6144,
+                     linear_num_value_heads=16, tie_word_embeddings=True),
+    "4B": Qwen35Args(dim=2560, n_layers=32, n_heads=16, n_kv_heads=4, intermediate_size=9216,
+                     linear_num_value_heads=32, tie_word_embeddings=True),
+    "9B": Qwen35Args(dim=4096, n_layers=32, n_heads=16, n_kv_heads=4, intermediate_size=12288,
+                     linear_num_value_heads=32),
+    "27B": Qwen35Args(dim=5120, n_layers=64, n_heads=24, n_kv_heads=4, intermediate_size=17408,
+                      linear_num_value_heads=48),
+    "35B-A3B": Qwen35Args(dim=2048, n_layers=40, n_heads=16, n_kv_heads=2,
+                          linear_num_value_heads=32, shared_expert_dim=512,
+                          moe=_experts(num_experts=256, top_k=8, expert_dim=512)),
+    "122B-A10B": Qwen35Args(dim=3072, n_layers=48, n_heads=32, n_kv_heads=2,
+                            linear_num_value_heads=64, shared_expert_dim=1024,
+                            moe=_experts(num_experts=256, top_k=8, expert_dim=1024)),
+    "397B-A17B": Qwen35Args(dim=4096, n_layers=60, n_heads=32, n_kv_heads=2,
+                            linear_num_value_heads=64, shared_expert_dim=1024,
+                            moe=_experts(num_experts=512, top_k=10, expert_dim=1024)),
+}  # fmt: skip
 """The named shapes. The trainer replaces ``vocab_size`` (tokenizer) and ``max_seq_len``
 (``training.seq_len``)."""
 

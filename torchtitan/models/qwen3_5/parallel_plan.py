@@ -18,6 +18,8 @@ pass from rank to rank along the sequence.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -28,14 +30,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from torchtitan.distributed.model_plan import ModelParallelPlan, TensorParallelPlan
+from torchtitan.distributed.model_plan import ModelParallelPlan
 from torchtitan.distributed.replicate_parallel import ReplicateParallel
 from torchtitan.models.common.decoder_plan import (
     attention_plan,
     decoder_divisible,
+    decoder_parallel_plan,
     gather_sequence,
-    pipeline_units,
-    root_plan,
     swiglu_plan,
 )
 from torchtitan.models.qwen3_5.args import Qwen35Args
@@ -75,15 +76,4 @@ def qwen35_parallel_plan(args: Qwen35Args) -> ModelParallelPlan:
     sizes["linear_num_key_heads"] = args.linear_num_key_heads
     sizes["linear_num_value_heads"] = args.linear_num_value_heads
     block = {**attention_plan(qk_norm=True), **deltanet_plan(), **ffn}
-    tensor_parallel = TensorParallelPlan(
-        root=root_plan(), block=block, output="output", divisible=sizes
-    )
-    return ModelParallelPlan(
-        blocks="layers",
-        pipeline_units=pipeline_units(args),
-        tensor_parallel=tensor_parallel,
-        embedding="tok_embeddings",
-        context_parallel=None,
-        tied_embeddings=args.tie_word_embeddings,
-        document_mask=True,
-    )
+    return replace(decoder_parallel_plan(args, block, sizes), context_parallel=None)
