@@ -32,6 +32,7 @@ from torchtitan.distributed.init_weights import ParamInit, init_params_determini
 from torchtitan.distributed.model_plan import ModelParallelPlan, TensorParallelPlan
 from torchtitan.distributed.pipeline_stages import PipelineUnit
 from torchtitan.models import MODELS
+from torchtitan.models.spec import NO_HOOKS, FamilyHooks
 
 
 @dataclass
@@ -166,6 +167,7 @@ class ToySpec:
     flavors: Mapping[str, ToyArgs] = field(
         default_factory=lambda: {"tiny": ToyArgs(), "wide": ToyArgs(dim=128, n_heads=8)}
     )
+    hooks: FamilyHooks = NO_HOOKS  # nothing added to the training loop
 
     def build(self, args: ToyArgs) -> nn.Module:
         return ToyModel(args)

@@ -149,3 +149,18 @@ def make_lm(
         dp_rank=rank,
         dp_size=size,
     )
+
+
+def training_evaluator(
+    cfg: Eval,
+    model_parts: Sequence[nn.Module],
+    tokenizer: Any,
+    seq_len: int,
+    device: Any,
+    writers: Sequence[MetricWriter],
+    seed: int,
+) -> Evaluator:
+    """lm-eval tasks on the model being trained, every ``eval.freq`` steps (docs/evaluation.md).
+    Every rank evaluates every request: under FSDP the ranks' forwards must pair up."""
+    lm = make_lm(model_parts[0], tokenizer, seq_len, device, cfg)
+    return Evaluator(lm, cfg, writers, model_parts=model_parts, seed=seed)

@@ -31,12 +31,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.config.sections import Validation
 from torchtitan.data.checks import DataError
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import all_reduce_
 from torchtitan.metrics.writers import MetricWriter
 from torchtitan.tools.logging import logger
 
-__all__ = ["LossFn", "Validator"]
+__all__ = ["LossFn", "Validator", "build_validator"]
 
 LossFn = Callable[..., "tuple[torch.Tensor, int] | None"]
 """(inputs, labels[, doc_ids]) -> (summed token loss, token count), or None on ranks without a
@@ -148,3 +150,31 @@ class Validator:
         for w in self.writers:
             w.log(dict(metrics), step)
         return metrics
+
+
+def build_validator(
+    v: Validation,
+    loader: Iterable[tuple[torch.Tensor, ...]],
+    dims: ParallelDims,
+    *,
+    loss_fn: LossFn,
+    batch_size: int,
+    model_parts: Sequence[nn.Module],
+    device: torch.device,
+    writers: Sequence[MetricWriter],
+) -> Validator:
+    """The validation loss of ``[validation]`` over ``loader`` (this rank's, one pass) in a
+    layout ``dims`` (docs/observability.md)."""
+    return Validator(
+        dataloader=loader,
+        freq=v.freq,
+        steps=v.steps,
+        loss_fn=loss_fn,
+        batch_size=batch_size,
+        model_parts=model_parts,
+        device=device,
+        writers=writers,
+        dp_mesh=dims.get_mesh("dp"),
+        loss_mesh=dims.get_mesh("dp_cp"),
+        pp_mesh=dims.get_mesh("pp") if dims.pp_enabled else None,
+    )

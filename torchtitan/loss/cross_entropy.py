@@ -12,13 +12,17 @@ plain mean over the global batch, as before.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.config.sections import Compile
+from torchtitan.distributed.compile import compile_loss, set_compile_cache_dir
+from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.utils import all_reduce_
+from torchtitan.tools.logging import logger
 
 IGNORE_INDEX = -100
 """Label of a token that does not count (prompt tokens under SFT, padding)."""
@@ -62,3 +66,25 @@ def global_loss_scale(global_tokens: torch.Tensor | int, grad_avg_ranks: int) ->
     unmasked token gets 0 (no gradient) rather than a division by zero."""
     tokens = torch.as_tensor(global_tokens).to(torch.float32)
     return torch.where(tokens > 0, grad_avg_ranks / tokens.clamp(min=1), 0.0)
+
+
+def build_loss_fn(
+    compile_cfg: Compile, dump_folder: str, dims: ParallelDims
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Summed token cross-entropy, compiled (lazily, at its first call) when ``compile`` lists
+    the loss; the step's ``loss_scale`` makes it the global-batch mean (docs/sft.md)."""
+    if not compile_cfg.enable:
+        return cross_entropy_sum
+    # Ranks at different TP/CP coordinates compile different graphs: separate caches.
+    coords = dims.coordinates()
+    cache = set_compile_cache_dir(
+        compile_cfg.cache_dir,
+        base_folder=dump_folder,
+        rank_subdir=f"tp{coords['tp']}_cp{coords['cp']}"
+        if dims.tp_enabled or dims.cp_enabled
+        else None,
+    )
+    logger.info(f"compile cache: {cache}")
+    if "loss" in compile_cfg.components:
+        return compile_loss(cross_entropy_sum, backend=compile_cfg.backend)
+    return cross_entropy_sum

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan.config.sections import FaultTolerance, Metrics
 from torchtitan.distributed.utils import all_reduce_
 from torchtitan.metrics.writers import MetricWriter
 from torchtitan.tools.cross_rank import reduce_extremes
@@ -261,3 +262,47 @@ class MetricsProcessor:
         for w in self.writers:
             w.close()
         self.memory_monitor.close()
+
+
+def build_metrics(
+    m: Metrics,
+    ft: FaultTolerance,
+    *,
+    dump_folder: str,
+    total_steps: int,
+    writers: list[MetricWriter],
+    device: torch.device,
+    rank: int,
+    loss_mesh: DeviceMesh,
+    pp: tuple[DeviceMesh, int] | None,
+    flops_per_token: int,
+    peak: tuple[float, str],
+) -> MetricsProcessor:
+    """The processor of ``[metrics]`` (loss, throughput, MFU against ``peak``, memory) feeding
+    ``writers``; stragglers flagged when ``fault_tolerance.straggler_margin`` > 0. ``pp``: under
+    pipeline parallel the pp mesh and the pp rank of the last stage (whose loss is logged)."""
+    memory = MemoryMonitor(
+        DeviceMemoryMonitor(device),
+        rank=rank,
+        warmup_steps=m.memory_warmup_steps,
+        leak_window=m.memory_leak_window,
+        leak_min_growth_mib=m.memory_leak_min_growth_mib,
+        trace_path=f"{dump_folder}/memory/rank_{rank}.jsonl" if m.enable_memory_trace else None,
+    )
+    return MetricsProcessor(
+        device=device,
+        log_freq=m.log_freq,
+        total_steps=total_steps,
+        loss_mesh=loss_mesh,
+        flops_per_token=flops_per_token,
+        peak_flops=peak[0],
+        peak_flops_source=peak[1],
+        writers=writers,
+        pp_mesh=pp[0] if pp else None,
+        pp_loss_rank=pp[1] if pp else 0,
+        memory_monitor=memory,
+        cross_rank_view=m.enable_cross_rank_view or ft.straggler_margin > 0,
+        stragglers=StragglerFlag(ft.straggler_margin, ft.straggler_log_steps)
+        if ft.straggler_margin > 0
+        else None,
+    )

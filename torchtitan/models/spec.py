@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.distributed.model_plan import ModelParallelPlan
 from torchtitan.models.common.hf import HFMapping
@@ -57,9 +58,74 @@ class StateDictAdapter(Protocol):
 
 class TrainableModel(Protocol):
     """What the trainer calls on a built model beyond ``nn.Module``: ``init_weights`` after
-    ``to_empty`` (the same seed gives the same weights whatever the parallelism or split)."""
+    ``to_empty`` (the same seed gives the same weights whatever the parallelism or split).
+
+    Two members are optional (read through :func:`batch_inputs` and :func:`buffer_init`, which
+    give their defaults): ``batch_inputs(tokens) -> dict`` adds keyword inputs to every batch,
+    made from whole sequences before context parallel shards them and given to every pipeline
+    stage (default: none; DeepSeek-V3's multi-token prediction tokens); ``init_buffers(device)``
+    fills the buffers alone, so that the weights' init can wait for a checkpoint load that
+    would overwrite them (default: no such split, the weights are initialised at build)."""
 
     def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None: ...
+
+
+def batch_inputs(part: nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The optional ``TrainableModel.batch_inputs`` of a model (part): its extra keyword inputs
+    for a batch of ``tokens``, ``{}`` when it declares none."""
+    method = getattr(part, "batch_inputs", None)
+    return method(tokens) if callable(method) else {}
+
+
+def buffer_init(part: nn.Module) -> Callable[[torch.device], None] | None:
+    """The optional ``TrainableModel.init_buffers`` of a model (part), or None."""
+    return getattr(part, "init_buffers", None)
+
+
+MetricsSource = Callable[[], tuple[dict[str, float | int | None], str]]
+"""A source of extra metrics at log steps (``MetricsProcessor.extra_fields``): ``() -> (fields,
+log text)``."""
+
+PipelineSource = tuple[DeviceMesh, int]
+"""Under pipeline parallel: the pp mesh and the pp rank of the last stage, whose values a
+metrics source gives to every pp rank."""
+
+
+def _after_build(parts: list[nn.Module], forwards_per_step: int) -> None:
+    pass
+
+
+def _metrics_fields(
+    parts: list[nn.Module], dp_cp: DeviceMesh | None, pp: PipelineSource | None
+) -> list[MetricsSource]:
+    return []
+
+
+def _after_optimizer_step(parts: list[nn.Module], dp_cp: DeviceMesh | None) -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyHooks:
+    """What a family adds to the training loop, called by the trainer on this rank's model
+    ``parts`` (docs/architecture.md, "Adding a family hook"). Each defaults to nothing; MoE
+    families share ``models/common/moe_hooks.py: MOE_HOOKS``."""
+
+    after_build: Callable[[list[nn.Module], int], None] = _after_build
+    """``(parts, forwards_per_step)``: once, after the parts are built and parallelized;
+    ``forwards_per_step`` is gradient accumulation x pipeline microbatches."""
+    metrics_fields: Callable[
+        [list[nn.Module], DeviceMesh | None, PipelineSource | None], list[MetricsSource]
+    ] = _metrics_fields
+    """``(parts, dp_cp mesh, pipeline source)``: the family's metrics sources, logged at log
+    steps after the loss (values averaged or summed over ``dp_cp`` by the source)."""
+    after_optimizer_step: Callable[[list[nn.Module], DeviceMesh | None], None] = (
+        _after_optimizer_step
+    )
+    """``(parts, dp_cp mesh)``: after every optimizer step that was taken."""
+
+
+NO_HOOKS = FamilyHooks()
 
 
 class ModelSpec(Protocol):
@@ -93,6 +159,11 @@ class ModelSpec(Protocol):
         """The Hugging Face converter, or None when the family has no Hugging Face format."""
         ...
 
+    @property
+    def hooks(self) -> FamilyHooks:
+        """What the family adds to the training loop (``NO_HOOKS``: nothing)."""
+        ...
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FamilySpec:
@@ -116,6 +187,8 @@ class FamilySpec:
     """The converter class applying ``hf`` (a family whose checkpoints hold more than the
     mapping says subclasses the shared one: DeepSeek-V3's MTP layers, Qwen3.5's multimodal
     wrapper)."""
+    hooks: FamilyHooks = NO_HOOKS
+    """What the family adds to the training loop (MoE families: ``MOE_HOOKS``)."""
 
     def build(self, args: Any) -> nn.Module:
         return self.model(args)

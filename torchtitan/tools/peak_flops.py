@@ -232,3 +232,12 @@ def measure_matmul_peak_flops(
         return _measure_cuda(device, dtype, size or 8192, iters or 50)
     clock = time.process_time if cpu_time else time.perf_counter
     return _measure_host_timed(device, dtype, size, iters, budget_s, clock)
+
+
+def mfu_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """The peak FLOP/s MFU is measured against and where it comes from: a known GPU's
+    datasheet, else a matmul timed here."""
+    peak = datasheet_peak_flops(device, dtype)
+    if peak is not None:
+        return peak, "datasheet"
+    return measure_matmul_peak_flops(device, dtype), "measured matmul"

@@ -1,33 +1,24 @@
-"""The pieces the Trainer builds, one function each, in the order ``Trainer.__init__`` calls
-them (docs/architecture.md, section 3). Each takes the config and what was built before it."""
+"""The model a rank trains, built across the layers (models, converters in distributed/ and
+lora/, parallelize): the meta model, the parallelized and initialized parts, their deferred
+initial weights (docs/architecture.md, section 3). The other pieces the Trainer builds are
+built beside their components (``data/rank_loader.py``, ``metrics/processor.py:
+build_metrics``, ``eval/``, ``checkpoint/from_config.py``, ``loss/cross_entropy.py:
+build_loss_fn``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.checkpoint.manager import CheckpointManager
-from torchtitan.checkpoint.safety import resume_settings
 from torchtitan.config.job_config import JobConfig
-from torchtitan.data.builder import DataOptions, build_data_loader
-from torchtitan.data.chat_data import ChatDataset
-from torchtitan.data.dataloader import ParallelAwareDataloader
-from torchtitan.data.tokenizer import AnyTokenizer
-from torchtitan.data.vlm_dataset import ImageTokens, VLMDataset, collate, source_files
-from torchtitan.data.vlm_images import ImageRules
-from torchtitan.distributed.compile import compile_loss, set_compile_cache_dir
 from torchtitan.distributed.float8 import apply_float8
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import split_model
 from torchtitan.distributed.pipeline_stages import PipelineStages
-from torchtitan.eval.harness import Evaluator, make_lm
-from torchtitan.eval.validation_loss import Validator
 from torchtitan.lora.apply import (
     apply_lora,
     base_init_only,
@@ -37,99 +28,9 @@ from torchtitan.lora.apply import (
 )
 from torchtitan.lora.layers import is_adapter_name
 from torchtitan.lora.peft_io import load_into
-from torchtitan.loss.cross_entropy import cross_entropy_sum
-from torchtitan.metrics.processor import MetricsProcessor
-from torchtitan.metrics.writers import MetricWriter, build_job_writers
-from torchtitan.models import MODELS
-from torchtitan.models.spec import ModelSpec, TrainableModel
+from torchtitan.models.spec import ModelSpec, TrainableModel, buffer_init
 from torchtitan.tools import startup
-from torchtitan.tools.device_memory import DeviceMemoryMonitor
 from torchtitan.tools.logging import logger
-from torchtitan.tools.memory_monitor import MemoryMonitor
-from torchtitan.tools.peak_flops import datasheet_peak_flops, measure_matmul_peak_flops
-from torchtitan.tools.profiling import Profiling
-from torchtitan.tools.stragglers import StragglerFlag
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def build_rank_dataloader(
-    cfg: JobConfig,
-    dims: ParallelDims,
-    tokenizer: AnyTokenizer,
-    dataset: str,
-    dataset_path: str | None,
-    split: str,
-    infinite: bool,
-) -> ParallelAwareDataloader:
-    """A loader sharded by this rank's data-parallel coordinate only (TP/CP/PP peers share)."""
-    t, dp_mesh = cfg.training, dims.get_mesh("dp")
-    if dataset == "chat":  # chat SFT rows with prompt-masked labels (docs/sft.md)
-        return build_chat_dataloader(cfg, dataset_path, tokenizer, dp_mesh, infinite)
-    if dataset == "vlm":  # image-text samples (docs/vlm.md)
-        return build_vlm_dataloader(cfg, dataset_path, tokenizer, dp_mesh, infinite)
-    options = DataOptions(t.tokenized_shuffle, cfg.debug.seed, t.mixture, t.mixture_exhausted)
-    return build_data_loader(
-        dataset=dataset,
-        dataset_path=dataset_path,
-        tokenizer=tokenizer,
-        seq_len=t.seq_len,
-        local_batch_size=t.local_batch_size,
-        dp_rank=dp_mesh.get_local_rank(),
-        dp_world_size=dp_mesh.size(),
-        split=split,
-        infinite=infinite,
-        sharding=t.data_sharding,
-        with_doc_ids=cfg.model.attn_mask_type == "block_causal",
-        options=options,
-    )
-
-
-def build_chat_dataloader(
-    cfg: JobConfig,
-    path: str | None,
-    tokenizer: AnyTokenizer,
-    dp_mesh: DeviceMesh,
-    infinite: bool,
-) -> ParallelAwareDataloader:
-    """The ``chat`` dataset's loader for this data-parallel rank (``[sft]`` options)."""
-    assert path is not None  # preflight requires a dataset_path for "chat"
-    rank, world = dp_mesh.get_local_rank(), dp_mesh.size()
-    chat = ChatDataset(
-        path,
-        tokenizer,
-        cfg.training.seq_len,
-        dp_rank=rank,
-        dp_world_size=world,
-        infinite=infinite,
-        packing=cfg.sft.packing,
-        overlong=cfg.sft.overlong,
-        template=cfg.sft.chat_template,
-        with_doc_ids=cfg.model.attn_mask_type == "block_causal",
-    )
-    return ParallelAwareDataloader(chat, rank, world, batch_size=cfg.training.local_batch_size)
-
-
-def build_vlm_dataloader(
-    cfg: JobConfig,
-    path: str | None,
-    tokenizer: AnyTokenizer,
-    dp_mesh: DeviceMesh,
-    infinite: bool,
-) -> ParallelAwareDataloader:
-    """The ``vlm`` dataset's loader: patches and placeholders by the model's vision tower and
-    token ids (preflight: validate_vlm.py); batches are dicts (``vlm_dataset.py: collate``)."""
-    assert path is not None  # preflight requires a dataset_path for "vlm"
-    args = MODELS[cfg.model.name].flavors[cfg.model.flavor]
-    v = args.vision
-    rules = ImageRules(v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
-    ids = ImageTokens(args.image_token_id)
-    rank, world = dp_mesh.get_local_rank(), dp_mesh.size()
-    data = VLMDataset(
-        source_files(Path(path)), tokenizer, cfg.training.seq_len, rules, ids, rank, world, infinite
-    )
-    batch = cfg.training.local_batch_size
-    return ParallelAwareDataloader(data, rank, world, batch_size=batch, collate_fn=collate)
 
 
 def build_meta_model(
@@ -185,7 +86,7 @@ def build_model_parts(
     for part in parts:
         # Under FSDP CPU offload the parameter shards live on the host (docs/memory.md).
         part.to_empty(device="cpu" if cfg.parallelism.fsdp_cpu_offload else device)
-        init_buffers = getattr(part, "init_buffers", None)
+        init_buffers = buffer_init(part)
         if defer and init_buffers is not None:
             init_buffers(device)
         else:
@@ -219,7 +120,7 @@ def init_model_weights(cfg: JobConfig, parts: list[nn.Module], device: torch.dev
     if not defers_init(cfg):
         return
     for part in parts:
-        if getattr(part, "init_buffers", None) is not None:
+        if buffer_init(part) is not None:
             cast(TrainableModel, part).init_weights(seed=cfg.debug.seed, buffer_device=device)
     startup.mark("init weights")
 
@@ -230,154 +131,3 @@ def defers_init(cfg: JobConfig) -> bool:
     and seeds the adapters): a load would overwrite them."""
     lora = cfg.lora.enable
     return cfg.checkpoint.enable and not cfg.checkpoint.create_seed_checkpoint and not lora
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """The peak FLOP/s MFU is measured against: a known GPU's datasheet, else a matmul timed here."""
-    peak = datasheet_peak_flops(device, dtype)
-    if peak is not None:
-        return peak, "datasheet"
-    return measure_matmul_peak_flops(device, dtype), "measured matmul"
-
-
-def build_metrics(
-    cfg: JobConfig,
-    dims: ParallelDims,
-    pp_stages: PipelineStages | None,
-    device: torch.device,
-    rank: int,
-    flops_per_token: int,
-    peak: tuple[float, str],
-) -> tuple[MetricsProcessor, list[MetricWriter]]:
-    """The metrics processor (loss, throughput, MFU, memory) and the writers it feeds."""
-    m = cfg.metrics
-    writers = build_job_writers(cfg, rank, write_this_rank=m.save_for_all_ranks or rank == 0)
-    memory = MemoryMonitor(
-        DeviceMemoryMonitor(device),
-        rank=rank,
-        warmup_steps=m.memory_warmup_steps,
-        leak_window=m.memory_leak_window,
-        leak_min_growth_mib=m.memory_leak_min_growth_mib,
-        trace_path=f"{cfg.job.dump_folder}/memory/rank_{rank}.jsonl"
-        if m.enable_memory_trace
-        else None,
-    )
-    processor = MetricsProcessor(
-        device=device,
-        log_freq=m.log_freq,
-        total_steps=cfg.training.steps,
-        loss_mesh=dims.get_mesh("dp_cp"),
-        flops_per_token=flops_per_token,
-        peak_flops=peak[0],
-        peak_flops_source=peak[1],
-        writers=writers,
-        pp_mesh=dims.get_mesh("pp") if pp_stages else None,
-        pp_loss_rank=pp_stages.last_stage_pp_rank if pp_stages else 0,
-        memory_monitor=memory,
-        cross_rank_view=m.enable_cross_rank_view or cfg.fault_tolerance.straggler_margin > 0,
-        stragglers=StragglerFlag(
-            cfg.fault_tolerance.straggler_margin, cfg.fault_tolerance.straggler_log_steps
-        )
-        if cfg.fault_tolerance.straggler_margin > 0
-        else None,
-    )
-    return processor, writers
-
-
-def build_profiling(cfg: JobConfig, rank: int, device: torch.device) -> Profiling:
-    return Profiling(cfg.job.dump_folder, cfg.profiling, rank, device.type)
-
-
-def build_checkpointer(
-    cfg: JobConfig,
-    spec: ModelSpec,
-    args: Any,
-    model_parts: list[nn.Module],
-    optimizer: torch.optim.Optimizer,
-    lr_scheduler: Any,
-    dataloader: ParallelAwareDataloader,
-) -> CheckpointManager:
-    ck = cfg.checkpoint
-    return CheckpointManager(
-        root=Path(cfg.job.dump_folder) / ck.folder,
-        interval=ck.interval,
-        keep_latest_k=ck.keep_latest_k,
-        async_mode=ck.async_mode,
-        load_step=ck.load_step,
-        total_steps=cfg.training.steps,
-        model_parts=model_parts,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        dataloader=dataloader,
-        verify_checksums=ck.verify_checksums,
-        exclude_from_loading=tuple(ck.exclude_from_loading),
-        initial_load_path=ck.initial_load_path,
-        initial_load_model_only=ck.initial_load_model_only,
-        initial_load_in_hf=ck.initial_load_in_hf,
-        hf_adapter=spec.state_dict_adapter(args) if ck.initial_load_in_hf else None,
-        last_save_model_only=ck.last_save_model_only,
-        export_dtype=getattr(torch, ck.export_dtype),
-        resume_settings=resume_settings(cfg),
-    )
-
-
-def build_loss_fn(cfg: JobConfig, dims: ParallelDims) -> LossFn:
-    """Summed token cross-entropy, compiled (lazily, at its first call) when compile lists the
-    loss; the step's ``loss_scale`` makes it the global-batch mean (docs/sft.md)."""
-    if not cfg.compile.enable:
-        return cross_entropy_sum
-    # Ranks at different TP/CP coordinates compile different graphs: separate caches.
-    coords = dims.coordinates()
-    cache = set_compile_cache_dir(
-        cfg.compile.cache_dir,
-        base_folder=cfg.job.dump_folder,
-        rank_subdir=f"tp{coords['tp']}_cp{coords['cp']}"
-        if dims.tp_enabled or dims.cp_enabled
-        else None,
-    )
-    logger.info(f"compile cache: {cache}")
-    if "loss" in cfg.compile.components:
-        return compile_loss(cross_entropy_sum, backend=cfg.compile.backend)
-    return cross_entropy_sum
-
-
-def build_validator(
-    cfg: JobConfig,
-    dims: ParallelDims,
-    tokenizer: AnyTokenizer,
-    model_parts: list[nn.Module],
-    device: torch.device,
-    writers: list[MetricWriter],
-    loss_fn: Callable[..., tuple[torch.Tensor, int] | None],
-) -> Validator:
-    """The validation-loss runner over ``validation.dataset`` (docs/observability.md)."""
-    v = cfg.validation
-    loader = build_rank_dataloader(
-        cfg, dims, tokenizer, v.dataset, v.dataset_path, "validation", False
-    )
-    return Validator(
-        dataloader=loader,
-        freq=v.freq,
-        steps=v.steps,
-        loss_fn=loss_fn,
-        batch_size=cfg.training.local_batch_size,
-        model_parts=model_parts,
-        device=device,
-        writers=writers,
-        dp_mesh=dims.get_mesh("dp"),
-        loss_mesh=dims.get_mesh("dp_cp"),
-        pp_mesh=dims.get_mesh("pp") if dims.pp_enabled else None,
-    )
-
-
-def build_evaluator(
-    cfg: JobConfig,
-    tokenizer: AnyTokenizer,
-    model_parts: list[nn.Module],
-    device: torch.device,
-    writers: list[MetricWriter],
-) -> Evaluator:
-    """lm-eval tasks on the model being trained, every ``eval.freq`` steps (docs/evaluation.md).
-    Every rank evaluates every request: under FSDP the ranks' forwards must pair up."""
-    lm = make_lm(model_parts[0], tokenizer, cfg.training.seq_len, device, cfg.eval)
-    return Evaluator(lm, cfg.eval, writers, model_parts=model_parts, seed=cfg.debug.seed)

@@ -23,6 +23,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline
 from torchtitan.loss.cross_entropy import unmasked_tokens
 from torchtitan.models.common.attention import document_positions
+from torchtitan.models.spec import batch_inputs
 
 ModelInputs = dict[str, torch.Tensor]
 """Keyword inputs of the model's forward beyond the tokens (``doc_ids``, ``positions``)."""
@@ -71,9 +72,7 @@ class MicrobatchRunner:
             if self.document_positions:
                 extra["positions"] = document_positions(doc_ids)
         for part in self.model_parts:
-            batch_inputs = getattr(part, "batch_inputs", None)
-            if callable(batch_inputs):
-                extra.update(batch_inputs(inputs))
+            extra.update(batch_inputs(part, inputs))
         return extra
 
     def train_context(self) -> contextlib.ExitStack:

@@ -24,7 +24,7 @@ from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
 from torchtitan.loss.cross_entropy import global_loss_scale, unmasked_tokens
 from torchtitan.metrics.processor import MetricsProcessor
-from torchtitan.models.common.moe import update_expert_bias
+from torchtitan.models.spec import NO_HOOKS, FamilyHooks
 from torchtitan.tools.fault_injection import Faults
 from torchtitan.tools.logging import logger
 from torchtitan.training.microbatch import Batch, MicrobatchRunner
@@ -46,6 +46,7 @@ class TrainStep:
     grad_accum_steps: int
     max_norm: float  # training.max_norm; 0 measures the norm without clipping
     microbatches_drawn: int = 0  # position in this rank's data stream, for spike reports
+    family: FamilyHooks = NO_HOOKS  # the model family's (after_optimizer_step)
     rollback_pending: bool = False
     data_iter: Iterator | None = field(default=None, init=False)
 
@@ -125,7 +126,7 @@ class TrainStep:
             if self.max_norm > 0:
                 dist_utils.clip_grads_with_norm_(params, self.max_norm, grad_norm)
             self.optimizer.step()
-            update_expert_bias(parts, self.parallel_dims.get_mesh("dp_cp"))  # MoE
+            self.family.after_optimizer_step(parts, self.parallel_dims.get_mesh("dp_cp"))
             self.step_guard.stepped()
 
     def _batch_position(self) -> str:

@@ -1,38 +1,45 @@
 """The Trainer: builds everything in the order of docs/architecture.md (section 3), then runs
 the loop.
 
-Read top-down: ``__init__`` is the build order (one named step each; the builders themselves
-are in ``torchtitan/training/builders.py``), ``train`` is the loop with metrics at ``log_freq``. One
+Read top-down: ``__init__`` is the build order (one named step each; each piece is built beside
+its component, the model in ``torchtitan/training/builders.py``), ``train`` is the loop: the
+step, its metrics, and the hooks of the optional features (``torchtitan/training/hooks/``). One
 optimizer step with gradient accumulation (``train_step`` and what it calls) is in
 ``torchtitan/training/train_step.py``.
 """
 
 from __future__ import annotations
 
-import gc
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from torchtitan.checkpoint.from_config import build_checkpointer
 from torchtitan.checkpoint.manager import CheckpointManager
+from torchtitan.checkpoint.safety import resume_settings
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_toml
+from torchtitan.data.dataloader import ParallelAwareDataloader
+from torchtitan.data.rank_loader import rank_dataloader
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.float8 import register_float8_precompute_hook
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
+from torchtitan.eval.harness import training_evaluator
+from torchtitan.eval.validation_loss import build_validator
 from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
 from torchtitan.lora.qlora import quantize_base
 from torchtitan.loss.chunked import build_chunked_loss
+from torchtitan.loss.cross_entropy import build_loss_fn
+from torchtitan.metrics.processor import build_metrics
+from torchtitan.metrics.writers import build_job_writers
 from torchtitan.models import MODELS, model_title, run_args
 from torchtitan.models.common.attention import resolve_attn_backend
-from torchtitan.models.common.moe import set_aux_loss_scale
-from torchtitan.models.common.moe_metrics import ExpertLoadMetrics
 from torchtitan.optim.lr_scheduler import build_lr_scheduler
 from torchtitan.optim.optimizer import build_optimizer
 from torchtitan.planner.auto import check_same_layout
@@ -41,20 +48,12 @@ from torchtitan.preflight.validate import pipeline_stages
 from torchtitan.tools import startup
 from torchtitan.tools.fault_injection import parse_faults
 from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.peak_flops import mfu_peak_flops
+from torchtitan.tools.profiling import Profiling
 from torchtitan.tools.watchdog import Watchdog, configure_flight_recorder
-from torchtitan.training.builders import (
-    build_checkpointer,
-    build_evaluator,
-    build_loss_fn,
-    build_meta_model,
-    build_metrics,
-    build_model_parts,
-    build_profiling,
-    build_rank_dataloader,
-    build_validator,
-    init_model_weights,
-    peak_flops,
-)
+from torchtitan.training.builders import build_meta_model, build_model_parts, init_model_weights
+from torchtitan.training.hooks.base import Closing, OffStepTime, StepHook, close_all
+from torchtitan.training.hooks.build import build_hooks
 from torchtitan.training.microbatch import MicrobatchRunner, ScaledLoss
 from torchtitan.training.train_step import TrainStep
 
@@ -76,6 +75,7 @@ class Trainer:
         self._build_checkpointer()  # resume from the newest valid checkpoint
         self._quantize_base()  # QLoRA: the final frozen base to NF4 (docs/lora.md)
         self._build_step()  # one training step, given every collaborator it uses
+        self.hooks = self._build_hooks()  # gc, watchdog, faults, validation, ..., checkpoint
         logger.info(
             f"{self.batch.describe()}; seq_len {cfg.training.seq_len}; "
             f"param dtype {self.param_dtype}"
@@ -117,9 +117,7 @@ class Trainer:
     def _build_data(self) -> None:
         t = self.cfg.training
         self.tokenizer = build_tokenizer(self.cfg.model.tokenizer_path)
-        self.dataloader = build_rank_dataloader(
-            self.cfg, self.parallel_dims, self.tokenizer, t.dataset, t.dataset_path, "train", True
-        )
+        self.dataloader = self._rank_dataloader(t.dataset, t.dataset_path, "train", True)
         self.batch = self.parallel_dims.batch_sizes(t.local_batch_size, t.global_batch_size)
         self.grad_accum_steps = self.batch.grad_accum_steps
         # Tokens per step that count for this device: a rank's data-parallel share, divided
@@ -130,6 +128,27 @@ class Trainer:
         )
         self.global_tokens_per_step = self.batch.global_batch_size * t.seq_len
 
+    def _rank_dataloader(
+        self, dataset: str, path: str | None, split: str, infinite: bool
+    ) -> ParallelAwareDataloader:
+        """A loader of ``dataset`` sharded by this rank's data-parallel coordinate only."""
+        cfg = self.cfg
+        return rank_dataloader(
+            cfg.training,
+            cfg.sft,
+            self.tokenizer,
+            self.parallel_dims.get_mesh("dp"),
+            dataset=dataset,
+            dataset_path=path,
+            split=split,
+            infinite=infinite,
+            seed=cfg.debug.seed,
+            with_doc_ids=cfg.model.attn_mask_type == "block_causal",
+            model_args=MODELS[cfg.model.name].flavors[cfg.model.flavor]
+            if dataset == "vlm"
+            else None,
+        )
+
     def _build_model(self) -> None:
         cfg, dims = self.cfg, self.parallel_dims
         self.spec = MODELS[cfg.model.name]
@@ -137,7 +156,7 @@ class Trainer:
         # the flavor, an HF folder's RoPE/window settings, model.moe_* and model.mtp_*
         self.model_args = run_args(cfg, self.tokenizer.vocab_size, backend)
         model = build_meta_model(cfg, self.spec, self.model_args, dims, self.device)
-        loss_fn = build_loss_fn(cfg, dims)
+        loss_fn = build_loss_fn(cfg.compile, cfg.job.dump_folder, dims)
         self.param_dtype = dist_utils.resolve_dtype(
             cfg.training.mixed_precision_param, self.device.type
         )
@@ -181,9 +200,9 @@ class Trainer:
             loss_parallel=dims.tp_enabled and not cfg.parallelism.disable_loss_parallel,
             document_positions=cfg.training.document_positions,
         )
-        # MoE: the auxiliary loss is seeded in the backward with the loss's scale (docs/moe.md).
+        # The family's own (MoE: the auxiliary loss's gradient seed, docs/moe.md).
         n_mb = self.pp_stages.n_microbatches if self.pp_stages is not None else 1
-        set_aux_loss_scale(self.model_parts, 1.0 / (n_mb * self.grad_accum_steps))
+        self.spec.hooks.after_build(self.model_parts, n_mb * self.grad_accum_steps)
 
     def _build_pipeline(self) -> Pipeline | None:
         if self.pp_stages is None:
@@ -248,47 +267,68 @@ class Trainer:
         """Metrics (MFU against a known or measured peak), the non-finite guard, validation
         and the profiler (docs/observability.md)."""
         cfg = self.cfg
-        peak = peak_flops(self.device, self.param_dtype)
+        peak = mfu_peak_flops(self.device, self.param_dtype)
         logger.info(f"peak {self.param_dtype} FLOP/s for MFU: {peak[0] / 1e12:.3f} T ({peak[1]})")
         flops = training_flops_per_token(cfg, self.model_args)  # a frozen base counted as such
-        self.metrics, writers = build_metrics(
-            cfg, self.parallel_dims, self.pp_stages, self.device, self.rank, flops, peak
+        m, pp_stages, dims = cfg.metrics, self.pp_stages, self.parallel_dims
+        writers = build_job_writers(
+            cfg, self.rank, write_this_rank=m.save_for_all_ranks or self.rank == 0
+        )
+        self.metrics = build_metrics(
+            m,
+            cfg.fault_tolerance,
+            dump_folder=cfg.job.dump_folder,
+            total_steps=cfg.training.steps,
+            writers=writers,
+            device=self.device,
+            rank=self.rank,
+            loss_mesh=dims.get_mesh("dp_cp"),
+            pp=(dims.get_mesh("pp"), pp_stages.last_stage_pp_rank) if pp_stages else None,
+            flops_per_token=flops,
+            peak=peak,
         )
         mixture_tokens = getattr(self.dataloader.dataset, "metrics_fields", None)
         if mixture_tokens is not None:  # tokens each mixture source has given (docs/data.md)
             self.metrics.extra_fields.append(lambda: (mixture_tokens(), ""))
-        moe_load = ExpertLoadMetrics(self.model_parts, self.parallel_dims.get_mesh("dp_cp"))
-        if moe_load:  # per-layer expert load and aux loss at log steps (docs/moe.md)
-            self.metrics.extra_fields.append(moe_load)
-        # A family's own sources (DeepSeek-V3's MTP loss), once per rank over its local parts;
+        # The family's sources (MoE expert load, DeepSeek-V3's MTP loss) over the local parts;
         # under PP the values of the last stage's pp rank (metrics.pp_loss_rank) reach every rank.
-        sources = getattr(self.model_parts[0], "metrics_sources", None)
-        if sources is not None:
-            pp = (self.metrics.pp_mesh, self.metrics.pp_loss_rank) if self.metrics.pp_mesh else None
-            dp_cp = self.parallel_dims.get_mesh("dp_cp")
-            self.metrics.extra_fields.extend(sources(self.model_parts, dp_cp, pp))
+        pp = (self.metrics.pp_mesh, self.metrics.pp_loss_rank) if self.metrics.pp_mesh else None
+        dp_cp = self.parallel_dims.get_mesh("dp_cp")
+        self.metrics.extra_fields.extend(
+            self.spec.hooks.metrics_fields(self.model_parts, dp_cp, pp)
+        )
         self.nonfinite = NonFiniteGuard(
             cfg.training.nonfinite_policy, rank=self.rank, stage_ids=self.pp_stage_ids or None
         )
+        v = cfg.validation
         self.validator = (
             build_validator(
-                cfg,
-                self.parallel_dims,
-                self.tokenizer,
-                self.model_parts,
-                self.device,
-                writers,
-                self.runner.validation_loss,
+                v,
+                self._rank_dataloader(v.dataset, v.dataset_path, "validation", False),
+                dims,
+                loss_fn=self.runner.validation_loss,
+                batch_size=cfg.training.local_batch_size,
+                model_parts=self.model_parts,
+                device=self.device,
+                writers=writers,
             )
-            if cfg.validation.enable
+            if v.enable
             else None
         )
         self.evaluator = (  # lm-eval tasks every eval.freq steps (docs/evaluation.md)
-            build_evaluator(cfg, self.tokenizer, self.model_parts, self.device, writers)
+            training_evaluator(
+                cfg.eval,
+                self.model_parts,
+                self.tokenizer,
+                cfg.training.seq_len,
+                self.device,
+                writers,
+                cfg.debug.seed,
+            )
             if cfg.eval.freq > 0
             else None
         )
-        self.profiling = build_profiling(cfg, self.rank, self.device)
+        self.profiling = Profiling(cfg.job.dump_folder, cfg.profiling, self.rank, self.device.type)
         self._build_fault_tolerance()
 
     def _build_fault_tolerance(self) -> None:
@@ -321,15 +361,7 @@ class Trainer:
             if self.cfg.checkpoint.initial_load_path:  # honoured; nothing is saved
                 self._load_initial_only()
             return
-        self.checkpointer = build_checkpointer(
-            self.cfg,
-            self.spec,
-            self.model_args,
-            self.model_parts,
-            self.optimizer,
-            self.lr_scheduler,
-            self.dataloader,
-        )
+        self.checkpointer = self._checkpoint_manager()
         self.checkpointer.faults = self.faults  # test-only (tools/fault_injection.py)
         resumed = self.checkpointer.load()
         startup.mark("checkpoint load")
@@ -338,18 +370,17 @@ class Trainer:
         if not self.checkpointer.model_loaded:  # initialised only when nothing was loaded
             init_model_weights(self.cfg, self.model_parts, self.device)
 
+    def _checkpoint_manager(self) -> CheckpointManager:
+        cfg = self.cfg
+        state = (self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader)
+        adapter = partial(self.spec.state_dict_adapter, self.model_args)
+        folder, steps, settings = cfg.job.dump_folder, cfg.training.steps, resume_settings(cfg)
+        return build_checkpointer(cfg.checkpoint, folder, steps, state, adapter, settings)
+
     def _load_initial_only(self) -> None:
         """checkpoint.initial_load_path with checkpointing off: the weights (the model was
         initialised already: defers_init is off) are replaced by the folder's."""
-        loader = build_checkpointer(
-            self.cfg,
-            self.spec,
-            self.model_args,
-            self.model_parts,
-            self.optimizer,
-            self.lr_scheduler,
-            self.dataloader,
-        )
+        loader = self._checkpoint_manager()
         try:
             resumed = loader.load_initial()
         finally:
@@ -383,7 +414,18 @@ class Trainer:
             self.grad_accum_steps,
             max_norm=self.cfg.training.max_norm,
             microbatches_drawn=self.step * self.grad_accum_steps,
+            family=self.spec.hooks,
         )
+
+    def _build_hooks(self) -> list[StepHook]:
+        """The loop's optional features (``training/hooks/``). A subclass adds its own by
+        extending this list; the loop calls them in its order."""
+        timing = OffStepTime(self._phase, self.metrics.exclude_time)
+        between = (self.validator, self.evaluator, self.profiling)
+        ck = self.checkpointer
+        checkpoint = (ck, self.global_tokens_per_step) if ck is not None else None
+        mesh = self.parallel_dims.world_mesh
+        return build_hooks(self.cfg, timing, self.watchdog, self.faults, between, checkpoint, mesh)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Step ``self.step``: its (loss, grad norm) as device scalars."""
@@ -391,20 +433,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> None:
-        cfg = self.cfg
-        gc_freq = cfg.training.gc_freq
-        if gc_freq > 0:
-            gc.disable()
-        logger.info(f"training for {cfg.training.steps} steps")
+        logger.info(f"training for {self.cfg.training.steps} steps")
         self.metrics.start_timer(self.step)
-        self.profiling.start(self.step)
-        while self.step < cfg.training.steps:
+        for hook in self.hooks:
+            hook.start(self.step)
+        while self.step < self.cfg.training.steps:
             self.step += 1
-            if gc_freq > 0 and self.step % gc_freq == 0:
-                gc.collect(1)
-            if self.watchdog is not None and self.step > 1:
-                self.watchdog.beat(self.step, "training step (forward, backward, collectives)")
-            self.faults.at_step_start(self.step)  # test-only (tools/fault_injection.py)
+            for hook in self.hooks:  # gc, watchdog beat, test-only faults
+                hook.before_step(self.step)
             group = self.optimizer.param_groups[0]  # the schedule's lr (x1, docs/optimizers.md)
             lr = group["lr"] / group.get("lr_mult", 1.0)
             loss, grad_norm = self.train_step()
@@ -419,47 +455,27 @@ class Trainer:
                 self.metrics.log(self.step, lr)
             if (first := startup.first_step()) is not None:  # docs/performance.md
                 logger.info(first)
-            if self.validator is not None and self.validator.should_validate(self.step):
-                self._phase("validation")
-                start = time.perf_counter()
-                self.validator.validate(self.step)
-                self.metrics.exclude_time(time.perf_counter() - start)
-            if self.evaluator is not None and self.evaluator.should_evaluate(self.step):
-                self._phase("evaluation (lm-eval tasks)")
-                start = time.perf_counter()
-                self.evaluator.evaluate(self.step)
-                self.metrics.exclude_time(time.perf_counter() - start)
-            self.profiling.step(self.step)
-            if self.checkpointer is not None:
-                self._phase("checkpoint (save, commit, preemption agreement)")
-                start = time.perf_counter()
-                stop = self.checkpointer.step_end(
-                    self.step, self.step * self.global_tokens_per_step
-                )
-                self.metrics.exclude_time(time.perf_counter() - start)
-                if stop:
-                    self.preempted_at = self.step
-                    logger.info(f"stopping after step {self.step} (preemption signal)")
-                    break
-            if self.step == 1:
-                dist_utils.set_pg_timeouts(
-                    cfg.comm.train_timeout_seconds, self.parallel_dims.world_mesh
-                )
-        if self.watchdog is not None:
-            self.watchdog.pause()
+            if (reason := self._after_step()) is not None:
+                self.preempted_at = self.step
+                logger.info(f"stopping after step {self.step} ({reason})")
+                break
+        for hook in self.hooks:
+            hook.end()
         logger.info("training done")
+
+    def _after_step(self) -> str | None:
+        """The hooks after a step (validation, evaluation, profiler, checkpoint, timeouts), in
+        order until one asks to stop: its reason."""
+        for hook in self.hooks:
+            if (reason := hook.after_step(self.step)) is not None:
+                return reason
+        return None
 
     def _phase(self, phase: str) -> None:
         if self.watchdog is not None:
             self.watchdog.phase(phase)
 
     def close(self) -> None:
-        if self.watchdog is not None:
-            self.watchdog.close()
-        try:  # committing a background save may fail (a full disk): close the rest anyway
-            if self.checkpointer is not None:
-                self.checkpointer.close()
-        finally:
-            self.profiling.stop()
-            self.metrics.close()
-            gc.enable()
+        """Every hook (watchdog first, then the checkpointer, whose commit of a background save
+        may fail: the rest are closed anyway), then the metrics."""
+        close_all([*self.hooks, Closing(self.metrics.close, close_rank=80)])

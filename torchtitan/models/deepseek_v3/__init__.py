@@ -8,6 +8,7 @@ from __future__ import annotations
 from torchtitan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from torchtitan.models.deepseek_v3.hf import DEEPSEEK_V3_HF, DeepSeekV3Adapter
 from torchtitan.models.deepseek_v3.model import Transformer
+from torchtitan.models.deepseek_v3.mtp import DEEPSEEK_V3_HOOKS
 from torchtitan.models.deepseek_v3.parallel_plan import deepseek_v3_parallel_plan
 from torchtitan.models.spec import FamilySpec
 
@@ -16,6 +17,7 @@ deepseek_v3_spec = FamilySpec(
     plan=deepseek_v3_parallel_plan, hf=DEEPSEEK_V3_HF, hf_model_types=("deepseek_v3",),
     adapter=DeepSeekV3Adapter,  # also converts the MTP layers (hf.py)
     lora_targets=tuple(f"attention.{w}" for w in ("wq", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo")),
+    hooks=DEEPSEEK_V3_HOOKS,  # the MoE hooks and the MTP loss in the metrics (mtp.py)
 )  # fmt: skip
 
 __all__ = ["DEEPSEEK_V3_FLAVORS", "DeepSeekV3Args", "Transformer", "deepseek_v3_spec"]

@@ -36,9 +36,7 @@ from torchtitan.models.common.rope import (
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
 from torchtitan.models.deepseek_v3.mla import MLA
 from torchtitan.models.deepseek_v3.mtp import (
-    MTPMetrics,
     MTPModule,
-    PPSource,
     mtp_embeddings,
     mtp_loss,
     mtp_tokens,
@@ -234,17 +232,6 @@ class Transformer(Decoder):
             with torch.no_grad():
                 self.mtp_since_log += torch.stack([self.mtp_loss, torch.ones_like(self.mtp_loss)])
         return _AttachAuxLoss.apply(logits, loss, self.aux_loss_scale)
-
-    def metrics_sources(
-        self, parts: list[nn.Module], mesh: DeviceMesh | None, pp: PPSource | None = None
-    ) -> list[MTPMetrics]:
-        """The trainer's extra metrics of this rank's model ``parts``: the MTP loss, averaged
-        over ``mesh``; under pipeline parallel ``pp`` (the pp mesh and the pp rank of the last
-        stage) every pp rank logs the last stage's value."""
-        if self.args.mtp_depth == 0:
-            return []
-        holder = next((p for p in parts if getattr(p, "mtp", None) is not None), None)
-        return [MTPMetrics(holder, mesh, pp)]
 
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """The shared buffers (RoPE table, MoE counters) and the MTP sums to zero."""

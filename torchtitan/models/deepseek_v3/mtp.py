@@ -18,6 +18,8 @@ split the main model's).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -27,7 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtitan.models.common.attention import AttentionMask
+from torchtitan.models.common.moe_hooks import MOE_HOOKS, expert_load_metrics
 from torchtitan.models.deepseek_v3.args import DeepSeekV3Args
+from torchtitan.models.spec import MetricsSource, PipelineSource
 
 IGNORE = -100
 
@@ -115,10 +119,6 @@ def mtp_loss(
     return mean * weight, mean
 
 
-PPSource = tuple[DeviceMesh, int]
-"""The pipeline mesh and the pp rank whose values every pp rank logs (the last stage's)."""
-
-
 class MTPMetrics:
     """A metrics source (``MetricsProcessor.extra_fields``, like ``ExpertLoadMetrics``): the
     mean MTP loss (unweighted, averaged over the depths) since the last log step, averaged over
@@ -127,7 +127,7 @@ class MTPMetrics:
     rank (one broadcast of two numbers at log steps)."""
 
     def __init__(
-        self, model: nn.Module | None, mesh: DeviceMesh | None, pp: PPSource | None = None
+        self, model: nn.Module | None, mesh: DeviceMesh | None, pp: PipelineSource | None = None
     ) -> None:
         self.sums = model.get_buffer("mtp_since_log") if model is not None else None
         self.mesh = mesh if mesh is not None and mesh.size() > 1 else None
@@ -150,3 +150,27 @@ class MTPMetrics:
         if count == 0:
             return {}, ""
         return {"mtp/loss": total / count}, f"  mtp {total / count:.4f}"
+
+
+def mtp_metrics(
+    parts: list[nn.Module], mesh: DeviceMesh | None, pp: PipelineSource | None
+) -> list[MetricsSource]:
+    """The MTP loss of this rank's model ``parts``, averaged over ``mesh``; under pipeline
+    parallel ``pp`` (the pp mesh and the pp rank of the last stage) every pp rank logs the last
+    stage's value."""
+    if parts[0].args.mtp_depth == 0:  # type: ignore[union-attr]
+        return []
+    holder = next((p for p in parts if getattr(p, "mtp", None) is not None), None)
+    return [MTPMetrics(holder, mesh, pp)]
+
+
+def moe_and_mtp_metrics(
+    parts: list[nn.Module], mesh: DeviceMesh | None, pp: PipelineSource | None
+) -> list[MetricsSource]:
+    return expert_load_metrics(parts, mesh, pp) + mtp_metrics(parts, mesh, pp)
+
+
+DEEPSEEK_V3_HOOKS = dataclasses.replace(MOE_HOOKS, metrics_fields=moe_and_mtp_metrics)
+"""The MoE hooks (``models/common/moe_hooks.py``), the MTP loss among the metrics; the MTP
+loss's gradient seed is set by the MoE hook's ``after_build`` (the model has an
+``aux_loss_scale``)."""

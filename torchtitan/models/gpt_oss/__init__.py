@@ -5,6 +5,7 @@ flavors, the module, its parallel plan and its Hugging Face mapping, put togethe
 
 from __future__ import annotations
 
+from torchtitan.models.common.moe_hooks import MOE_HOOKS
 from torchtitan.models.gpt_oss.args import GPT_OSS_FLAVORS, GptOssArgs
 from torchtitan.models.gpt_oss.hf import GPT_OSS_HF
 from torchtitan.models.gpt_oss.model import Transformer
@@ -14,6 +15,7 @@ from torchtitan.models.spec import FamilySpec
 gpt_oss_spec = FamilySpec(
     name="gpt_oss", flavors=GPT_OSS_FLAVORS, model=Transformer, plan=gpt_oss_parallel_plan,
     hf=GPT_OSS_HF, hf_model_types=("gpt_oss",),
+    hooks=MOE_HOOKS,
 )  # fmt: skip
 
 __all__ = ["GPT_OSS_FLAVORS", "GptOssArgs", "Transformer", "gpt_oss_spec"]

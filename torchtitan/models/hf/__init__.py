@@ -14,6 +14,7 @@ from torchtitan.models.hf.adapter import PassThroughAdapter
 from torchtitan.models.hf.args import HFArgs, HFFlavors, flavor_key
 from torchtitan.models.hf.model import build_hf_model
 from torchtitan.models.hf.parallel_plan import hf_parallel_plan
+from torchtitan.models.spec import NO_HOOKS, FamilyHooks
 
 LORA_TARGETS = tuple(
     f"self_attn.{p}"
@@ -33,6 +34,8 @@ class HFSpec:
     flavors: Mapping[str, HFArgs] = field(default_factory=HFFlavors)
     hf_model_types: tuple[str, ...] = ()
     lora_targets: tuple[str, ...] = LORA_TARGETS
+    hooks: FamilyHooks = NO_HOOKS
+    """transformers' modules: none of ours (MoE) to hook."""
     estimate_note: str = (
         "generic estimate (hf family): a dense decoder of this config's hidden size, layers, "
         "heads and intermediate size, not this architecture's own modules (docs/hf_models.md)"

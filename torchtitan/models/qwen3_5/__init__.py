@@ -4,6 +4,7 @@ flavors, the module, its parallel plan and its Hugging Face mapping, put togethe
 
 from __future__ import annotations
 
+from torchtitan.models.common.moe_hooks import MOE_HOOKS
 from torchtitan.models.qwen3_5.args import QWEN35_FLAVORS, Qwen35Args
 from torchtitan.models.qwen3_5.hf import QWEN35_HF, Qwen35StateDictAdapter
 from torchtitan.models.qwen3_5.model import Qwen35Transformer
@@ -17,6 +18,7 @@ qwen3_5_spec = FamilySpec(
     adapter=Qwen35StateDictAdapter,
     lora_targets=("attention.wq", "attention.wk", "attention.wv", "attention.wo",
                   "linear_attn.wqkv", "linear_attn.wz", "linear_attn.wo"),
+    hooks=MOE_HOOKS,
 )  # fmt: skip
 
 __all__ = ["QWEN35_FLAVORS", "Qwen35Args", "Qwen35Transformer", "qwen3_5_spec"]

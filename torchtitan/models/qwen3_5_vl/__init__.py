@@ -4,6 +4,7 @@ plan and Hugging Face mapping, as a ``FamilySpec``."""
 
 from __future__ import annotations
 
+from torchtitan.models.common.moe_hooks import MOE_HOOKS
 from torchtitan.models.qwen3_5_vl.args import QWEN35_VL_FLAVORS, Qwen35VLArgs
 from torchtitan.models.qwen3_5_vl.hf import QWEN35_VL_HF, Qwen35VLStateDictAdapter
 from torchtitan.models.qwen3_5_vl.model import Qwen35VLModel
@@ -17,6 +18,7 @@ qwen3_5_vl_spec = FamilySpec(
     hf_model_types=(),
     adapter=Qwen35VLStateDictAdapter,  # the tower under model.visual. (hf.py)
     lora_targets=(),
+    hooks=MOE_HOOKS,  # the MoE flavors' aux loss, expert load, bias update
 )  # fmt: skip
 
 __all__ = ["QWEN35_VL_FLAVORS", "Qwen35VLArgs", "Qwen35VLModel", "qwen3_5_vl_spec"]

@@ -1,0 +1,107 @@
+"""The data loader of one data-parallel rank, as ``[training]`` and ``[sft]`` say: sharded by
+the rank's data-parallel coordinate only (TP, CP and PP peers read the same batches); the
+trainer's and the validator's (docs/data.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan.config.job_config import Training
+from torchtitan.config.sections import Sft
+from torchtitan.data.builder import DataOptions, build_data_loader
+from torchtitan.data.chat_data import ChatDataset
+from torchtitan.data.dataloader import ParallelAwareDataloader
+from torchtitan.data.tokenizer import AnyTokenizer
+from torchtitan.data.vlm_dataset import ImageTokens, VLMDataset, collate, source_files
+from torchtitan.data.vlm_images import ImageRules
+
+
+def rank_dataloader(
+    training: Training,
+    sft: Sft,
+    tokenizer: AnyTokenizer,
+    dp_mesh: DeviceMesh,
+    *,
+    dataset: str,
+    dataset_path: str | None,
+    split: str,
+    infinite: bool,
+    seed: int,
+    with_doc_ids: bool,
+    model_args: Any = None,
+) -> ParallelAwareDataloader:
+    """``dataset`` at ``dataset_path`` (the training or the validation set) for this rank of
+    ``dp_mesh``; ``with_doc_ids`` (block_causal attention) adds each token's document id;
+    ``model_args`` (the ``vlm`` dataset only): the model's vision settings and image token."""
+    t = training
+    if dataset == "chat":  # chat SFT rows with prompt-masked labels (docs/sft.md)
+        return chat_dataloader(t, sft, dataset_path, tokenizer, dp_mesh, infinite, with_doc_ids)
+    if dataset == "vlm":  # image-text samples (docs/vlm.md)
+        return vlm_dataloader(t, dataset_path, tokenizer, dp_mesh, infinite, model_args)
+    return build_data_loader(
+        dataset=dataset,
+        dataset_path=dataset_path,
+        tokenizer=tokenizer,
+        seq_len=t.seq_len,
+        local_batch_size=t.local_batch_size,
+        dp_rank=dp_mesh.get_local_rank(),
+        dp_world_size=dp_mesh.size(),
+        split=split,
+        infinite=infinite,
+        sharding=t.data_sharding,
+        with_doc_ids=with_doc_ids,
+        options=DataOptions(t.tokenized_shuffle, seed, t.mixture, t.mixture_exhausted),
+    )
+
+
+def chat_dataloader(
+    training: Training,
+    sft: Sft,
+    path: str | None,
+    tokenizer: AnyTokenizer,
+    dp_mesh: DeviceMesh,
+    infinite: bool,
+    with_doc_ids: bool,
+) -> ParallelAwareDataloader:
+    """The ``chat`` dataset's loader for this data-parallel rank (``[sft]`` options)."""
+    assert path is not None  # preflight requires a dataset_path for "chat"
+    rank, world = dp_mesh.get_local_rank(), dp_mesh.size()
+    chat = ChatDataset(
+        path,
+        tokenizer,
+        training.seq_len,
+        dp_rank=rank,
+        dp_world_size=world,
+        infinite=infinite,
+        packing=sft.packing,
+        overlong=sft.overlong,
+        template=sft.chat_template,
+        with_doc_ids=with_doc_ids,
+    )
+    return ParallelAwareDataloader(chat, rank, world, batch_size=training.local_batch_size)
+
+
+def vlm_dataloader(
+    training: Training,
+    path: str | None,
+    tokenizer: AnyTokenizer,
+    dp_mesh: DeviceMesh,
+    infinite: bool,
+    model_args: Any,
+) -> ParallelAwareDataloader:
+    """The ``vlm`` dataset's loader: patches and placeholders by the model's vision tower
+    (``model_args.vision``) and image token (preflight: validate_vlm.py); batches are dicts
+    (``vlm_dataset.py: collate``)."""
+    assert path is not None  # preflight requires a dataset_path for "vlm"
+    v = model_args.vision
+    rules = ImageRules(v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
+    ids = ImageTokens(model_args.image_token_id)
+    rank, world = dp_mesh.get_local_rank(), dp_mesh.size()
+    data = VLMDataset(
+        source_files(Path(path)), tokenizer, training.seq_len, rules, ids, rank, world, infinite
+    )
+    batch = training.local_batch_size
+    return ParallelAwareDataloader(data, rank, world, batch_size=batch, collate_fn=collate)
