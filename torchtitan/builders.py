@@ -269,6 +269,7 @@ def build_checkpointer(
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
     dataloader: ParallelAwareDataloader,
+    extra_state: dict[str, Any] | None = None,
 ) -> CheckpointManager:
     ck = cfg.checkpoint
     return CheckpointManager(
@@ -291,6 +292,7 @@ def build_checkpointer(
         last_save_model_only=ck.last_save_model_only,
         export_dtype=getattr(torch, ck.export_dtype),
         resume_settings=resume_settings(cfg),
+        extra_state=extra_state,
     )
 
 

@@ -16,6 +16,7 @@ from torchtitan.launch import report_stop
 from torchtitan.plan.auto import load_config
 from torchtitan.plan.explain import explain
 from torchtitan.plan.fit import check_fit
+from torchtitan.posttrain.trainer import PosttrainTrainer
 from torchtitan.preflight.validate import world_size_from_env
 from torchtitan.tools import startup
 from torchtitan.tools.logging import init_logger
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        trainer = Trainer(cfg)
+        # the post-training modes (docs/posttrain.md) build their own data and step
+        trainer = (Trainer if cfg.training.mode == "lm" else PosttrainTrainer)(cfg)
     except ConfigError as e:  # bad data or files found while building (DataError, ...)
         destroy_distributed()
         return config_error(e)

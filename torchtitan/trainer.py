@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -327,6 +328,7 @@ class Trainer:
             self.optimizer,
             self.lr_scheduler,
             self.dataloader,
+            self._checkpoint_extra(),
         )
         self.checkpointer.faults = self.faults  # test-only (tools/fault_injection.py)
         resumed = self.checkpointer.load()
@@ -335,6 +337,11 @@ class Trainer:
             self.step = resumed["step"]
         if not self.checkpointer.model_loaded:  # initialised only when nothing was loaded
             init_model_weights(self.cfg, self.model_parts, self.device)
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        """Checkpointed parts beyond the manager's own, by name (a training mode's state:
+        torchtitan/posttrain/trainer.py); none here."""
+        return {}
 
     def _load_initial_only(self) -> None:
         """checkpoint.initial_load_path with checkpointing off: the weights (the model was
@@ -347,6 +354,7 @@ class Trainer:
             self.optimizer,
             self.lr_scheduler,
             self.dataloader,
+            self._checkpoint_extra(),
         )
         try:
             resumed = loader.load_initial()

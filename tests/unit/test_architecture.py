@@ -33,7 +33,8 @@ ALLOWED = {
     "eval": BASE | {"data", "metrics", "loss", "models", "checkpoint"},
     "lora": BASE | {"models"},
     "preflight": BASE
-    | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"},
+    | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"}
+    | {"posttrain"},
     "plan": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"}
     | {"preflight"},
@@ -49,6 +50,7 @@ TOP = {
     "torchtitan.log_ranks",
     "torchtitan.launch",
     "torchtitan.convert",
+    "torchtitan.posttrain.trainer",
 }
 
 # Names of Llama 3's modules and buffers: the generic layers must get them from a plan.

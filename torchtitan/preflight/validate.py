@@ -38,6 +38,7 @@ from torchtitan.preflight.validate_parallel import (
     validate_tensor_parallel,
 )
 from torchtitan.preflight.validate_paths import validate_paths
+from torchtitan.preflight.validate_posttrain import validate_posttrain
 from torchtitan.preflight.validate_resilience import validate_resilience
 from torchtitan.preflight.validate_values import validate_values
 from torchtitan.tools.logging import logger
@@ -133,6 +134,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_memory_levers(cfg, world_size)
     validate_optimizer(cfg)  # parameter groups and Muon (docs/optimizers.md)
     validate_paths(cfg)  # dump folder, tokenizer, data files, checkpoint step (touch the disk)
+    validate_posttrain(cfg, dims)  # training.mode, [dpo], [grpo] and their data (docs/posttrain.md)
     validate_eval(cfg)  # [eval]: tasks known, local files present, offline-readable
 
     if cfg.training.mixed_precision_param == "bfloat16" and device_type() != "cuda":
