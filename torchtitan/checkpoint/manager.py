@@ -10,9 +10,7 @@ One checkpoint per saved step, ``<dump_folder>/<checkpoint.folder>/step-N/``, ho
 - ``dataloader``: each data-parallel rank's position (``dp_rank_<r>``, JSON in a tensor) and
   ``dp_world_size``;
 - ``rng``: every rank's RNG states (``rank_<r>``, JSON in a tensor): torch CPU (and CUDA),
-  Python ``random``;
-- the parts a training mode adds (``extra_state``): ``posttrain`` (docs/posttrain.md: the
-  reference's frozen shards, each rank's sampling generator).
+  Python ``random``; ``posttrain`` (``extra_state``, docs/posttrain.md): the reference, generators.
 
 Nothing of ours is pickled, and loading goes through :mod:`checkpoint_trust` (a restricted
 unpickler for DCP's ``.metadata``, ``weights_only`` for everything else): loading a checkpoint
@@ -132,9 +130,7 @@ class CheckpointManager:
         extra_state: dict[str, Any] | None = None,
     ) -> None:
         self.root = root
-        # More parts of a training mode (docs/posttrain.md): name -> an object whose
-        # state_dict() is a (nested) dict of tensors, loaded into in place, then handed back
-        # through load_state_dict().
+        # A training mode's parts: name -> state_dict() (tensors, loaded in place), load_state_dict()
         self.extra_state = extra_state or {}
         # {component: {"section.field": value}}: settings the loaded component overrides
         # (stored in train_state; a resume whose config differs warns, naming them).
@@ -247,7 +243,7 @@ class CheckpointManager:
         return self._load_from(path, wanted - set(self.exclude_from_loading))
 
     def _components(self) -> set[str]:
-        return (COMPONENTS | set(self.extra_state)) - set(self.exclude_from_loading)
+        return (set(COMPONENTS) | set(self.extra_state)) - set(self.exclude_from_loading)
 
     def _partial_model(self) -> bool:
         """Whether checkpoints hold only part of the model (``checkpoint_keys``: adapters)."""

@@ -53,10 +53,15 @@ class PromptLoader:
     def next_prompts(self) -> list[Prompt]:
         n, start = len(self.prompts), self.next_prompt
         self.next_prompt += self.per_step
-        return [self.prompts[g % n] for g in range(start + self.dp_rank, start + self.per_step, self.dp)]
+        return [
+            self.prompts[g % n] for g in range(start + self.dp_rank, start + self.per_step, self.dp)
+        ]
 
     def state_dict(self) -> dict[str, Any]:
-        return {f"dp_rank_{self.dp_rank}": {"next_prompt": self.next_prompt}, "dp_world_size": self.dp}
+        return {
+            f"dp_rank_{self.dp_rank}": {"next_prompt": self.next_prompt},
+            "dp_world_size": self.dp,
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         own = next(v for k, v in sd.items() if k.startswith("dp_rank_"))

@@ -114,7 +114,12 @@ class FrozenReference:
         for n, p, c in zip(self.names, self.params, self.copies, strict=True):
             if isinstance(p, DTensor):
                 c = DTensor.from_local(
-                    c, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    c,
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
                 )
             out[n] = c
         return out

@@ -38,7 +38,7 @@ from torchtitan.preflight.validate_parallel import (
     validate_tensor_parallel,
 )
 from torchtitan.preflight.validate_paths import validate_paths
-from torchtitan.preflight.validate_posttrain import validate_posttrain
+from torchtitan.preflight.validate_posttrain import validate_mode_fields, validate_posttrain
 from torchtitan.preflight.validate_resilience import validate_resilience
 from torchtitan.preflight.validate_values import validate_values
 from torchtitan.tools.logging import logger
@@ -113,6 +113,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     if world_size < 1:
         parse_world_size(str(world_size), "world_size")  # raises: no ranks
     validate_values(cfg)  # every number finite and in range, every choice valid
+    validate_mode_fields(cfg)  # [dpo]/[grpo]/LM data fields the mode would ignore
     validate_speed_features(cfg)
     validate_observability(cfg)
     validate_checkpoint(cfg, world_size)

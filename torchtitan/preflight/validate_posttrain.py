@@ -33,18 +33,25 @@ _LM_DATA = (
 )
 
 
-def validate_posttrain(cfg: JobConfig, dims: ParallelDims) -> None:
-    """Raise ConfigError on the first broken rule of ``training.mode`` and its sections."""
+def validate_mode_fields(cfg: JobConfig) -> None:
+    """Fields the mode would ignore (run before the data checks, which would read them):
+    ``[dpo]``/``[grpo]`` of another mode, the language-model data of a post-training mode."""
     mode = cfg.training.mode
     for name, cls in (("dpo", Dpo), ("grpo", Grpo)):
         if mode != name:
             _refuse_set_fields(cfg, name, cls, f"applies only to training.mode = '{name}'")
-    if mode == "lm":
+    if mode != "lm":
+        _refuse_set_fields(cfg, "training", Training,
+                           f"is language-model data, unused by '{mode}'", _LM_DATA)  # fmt: skip
+
+
+def validate_posttrain(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Raise ConfigError on the first broken rule of a post-training mode: layout, features,
+    settings, its data file."""
+    if cfg.training.mode == "lm":
         return
-    _refuse_set_fields(cfg, "training", Training, f"is language-model data, unused by '{mode}'",
-                       _LM_DATA)  # fmt: skip
     _refuse_unsupported(cfg, dims)
-    if mode == "dpo":
+    if cfg.training.mode == "dpo":
         _validate_dpo(cfg)
     else:
         _validate_grpo(cfg, dims)
@@ -185,7 +192,9 @@ def _validate_grpo(cfg: JobConfig, dims: ParallelDims) -> None:
 
 def _validate_rewards(g: Grpo) -> None:
     if not g.rewards:
-        raise ConfigError("grpo.rewards", g.rewards, "needs a reward function", 'e.g. ["exact_match"]')
+        raise ConfigError(
+            "grpo.rewards", g.rewards, "needs a reward function", 'e.g. ["exact_match"]'
+        )
     for name in g.rewards:
         try:
             resolve(name)
@@ -198,4 +207,3 @@ def _validate_rewards(g: Grpo) -> None:
             f"gives {len(g.reward_weights)} weights for {len(g.rewards)} reward functions",
             "give one weight per function, or none (each 1.0)",
         )
-
