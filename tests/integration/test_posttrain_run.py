@@ -16,7 +16,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from tests.launcher import run_train_env
+
 ROOT = Path(__file__).resolve().parents[2]
+FSDP2 = "fsdp2"  # marker: launch on 2 ranks (run_train.sh, data_parallel_shard_degree -1 = 2)
 FAST = ["--training.mixed_precision_param", "float32", "--checkpoint.interval", "2"]
 FAST += ["--training.steps", "4", "--lr_scheduler.warmup_steps", "1"]
 GRPO_FAST = ["--grpo.k", "2", "--grpo.prompts_per_step", "2", "--grpo.max_new_tokens", "3"]
@@ -26,9 +29,15 @@ GRPO_FAST += ["--grpo.rewards", "exact_match,tests.posttrain_helpers:text_length
 
 
 def _train(config: str, dump: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torchtitan.train", "--job.config_file", config]
+    """``python -m torchtitan.train`` (one process), or ``run_train.sh`` on 2 CPU ranks (FSDP 2)
+    when ``args`` holds ``FSDP2``."""
+    if FSDP2 in args:
+        cmd, env = [str(ROOT / "run_train.sh")], dict(run_train_env(), CONFIG_FILE=config)
+        args = tuple(a for a in args if a != FSDP2)
+    else:
+        cmd, env = [sys.executable, "-m", "torchtitan.train", "--job.config_file", config], None
     cmd += ["--job.dump_folder", str(dump), *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> str:
@@ -100,3 +109,13 @@ def test_grpo_run_resumes_bitwise(tmp_path: Path) -> None:
     assert records[1]["grpo/kl"] == 0.0 and records[4]["grpo/kl"] > 0.0  # the policy moved
     assert records[4]["grpo/reward_std"] > 0.0
     assert records[4]["grpo/completion_length"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["dpo", "grpo"])
+def test_fsdp2_run_resumes_bitwise(tmp_path: Path, mode: str) -> None:
+    """The same on 2 ranks (FSDP 2): the reference's shards are DTensors in the checkpoint,
+    each rank's generator its own entry."""
+    config = str(ROOT / "train_configs" / f"debug_{mode}.toml")
+    args = ["--training.seq_len", "32"] if mode == "dpo" else GRPO_FAST
+    _resume_matches(config, mode, tmp_path, FSDP2, *args)
