@@ -132,6 +132,11 @@ COMMANDS: dict[str, Mode] = {
         "--training.steps 2 " + SFT_SMALL
     ),
     "python scripts/convert_to_hf.py outputs/debug_model/checkpoint/step-60 outputs/hf_base": Slow(),
+    # train_configs/debug_dpo.toml, debug_grpo.toml (docs/posttrain.md)
+    "CONFIG_FILE=train_configs/debug_dpo.toml ./run_train.sh": Slow("--training.steps 2"),
+    "CONFIG_FILE=train_configs/debug_grpo.toml ./run_train.sh": Slow(
+        "--training.steps 2 --grpo.max_new_tokens 3"
+    ),
     "CONFIG_FILE=train_configs/lora_debug.toml ./run_train.sh "
     "--checkpoint.initial_load_path outputs/hf_base --checkpoint.initial_load_in_hf": Slow(
         SFT_SMALL

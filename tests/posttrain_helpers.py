@@ -26,3 +26,9 @@ def tiny_model(seed: int = 0, dim: int = 32, layers: int = 2) -> torch.nn.Module
     m = MODELS["llama3"].build(args)
     m.init_weights(seed)
     return m
+
+
+def text_length(completion: str, answer: str | None) -> float:
+    """A user reward by import path (``tests.posttrain_helpers:text_length``) that varies
+    within a group even for an untrained model: the decoded completion's length."""
+    return float(len(completion))

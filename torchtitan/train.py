@@ -19,6 +19,7 @@ from torchtitan.planner.fit import check_fit
 from torchtitan.preflight.validate import world_size_from_env
 from torchtitan.tools import startup
 from torchtitan.tools.logging import init_logger
+from torchtitan.training.posttrain import PosttrainTrainer
 from torchtitan.training.trainer import Trainer
 
 
@@ -43,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     try:
-        trainer = Trainer(cfg)
+        # the post-training modes (docs/posttrain.md) build their own data and step
+        trainer = (Trainer if cfg.training.mode == "lm" else PosttrainTrainer)(cfg)
     except ConfigError as e:  # bad data or files found while building (DataError, ...)
         destroy_distributed()
         return config_error(e)

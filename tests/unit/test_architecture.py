@@ -33,7 +33,8 @@ ALLOWED = {
     "eval": BASE | {"data", "metrics", "loss", "models", "checkpoint"},
     "lora": BASE | {"models"},
     "preflight": BASE
-    | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"},
+    | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"}
+    | {"posttrain"},
     "planner": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"}
     | {"preflight"},
@@ -45,6 +46,7 @@ TOP = {
     "torchtitan.train",
     "torchtitan.training",
     "torchtitan.training.trainer",
+    "torchtitan.training.posttrain",
     "torchtitan.training.builders",
     "torchtitan.training.train_step",
     "torchtitan.training.microbatch",

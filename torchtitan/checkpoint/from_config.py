@@ -33,10 +33,12 @@ def build_checkpointer(
     state: tuple[list[nn.Module], torch.optim.Optimizer, Any, Any],
     hf_adapter: Callable[[], Any],
     resume_settings: dict[str, dict[str, Any]],
+    extra_state: dict[str, Any] | None = None,
 ) -> CheckpointManager:
     """Saves and loads under ``<dump_folder>/<checkpoint.folder>`` the ``state`` (model parts,
-    optimizer, LR schedule, data loader); ``hf_adapter()`` (the family's Hugging Face
-    converter) is asked for only when ``initial_load_in_hf`` is on."""
+    optimizer, LR schedule, data loader) and ``extra_state`` (a training mode's parts by name);
+    ``hf_adapter()`` (the family's Hugging Face converter) is asked for only when
+    ``initial_load_in_hf`` is on."""
     model_parts, optimizer, lr_scheduler, dataloader = state
     return CheckpointManager(
         root=Path(dump_folder) / ck.folder,
@@ -49,5 +51,6 @@ def build_checkpointer(
         hf_adapter=hf_adapter() if ck.initial_load_in_hf else None,
         export_dtype=getattr(torch, ck.export_dtype),
         resume_settings=resume_settings,
+        extra_state=extra_state,
         **{name: getattr(ck, name) for name in SAME_NAMES},
     )

@@ -10,7 +10,7 @@ One checkpoint per saved step, ``<dump_folder>/<checkpoint.folder>/step-N/``, ho
 - ``dataloader``: each data-parallel rank's position (``dp_rank_<r>``, JSON in a tensor) and
   ``dp_world_size``;
 - ``rng``: every rank's RNG states (``rank_<r>``, JSON in a tensor): torch CPU (and CUDA),
-  Python ``random``.
+  Python ``random``; ``posttrain`` (``extra_state``, docs/posttrain.md): the reference, generators.
 
 Nothing of ours is pickled, and loading goes through :mod:`checkpoint_trust` (a restricted
 unpickler for DCP's ``.metadata``, ``weights_only`` for everything else): loading a checkpoint
@@ -127,8 +127,11 @@ class CheckpointManager:
         last_save_model_only: bool = False,
         export_dtype: torch.dtype = torch.float32,
         resume_settings: dict[str, dict[str, Any]] | None = None,
+        extra_state: dict[str, Any] | None = None,
     ) -> None:
         self.root = root
+        # A training mode's parts: name -> state_dict() (tensors, loaded in place), load_state_dict()
+        self.extra_state = extra_state or {}
         # {component: {"section.field": value}}: settings the loaded component overrides
         # (stored in train_state; a resume whose config differs warns, naming them).
         self.resume_settings = resume_settings or {}
@@ -186,7 +189,7 @@ class CheckpointManager:
             ),
             "dataloader": self._dataloader_state(),
             "rng": {f"rank_{self.rank}": rng_state()},
-        }
+        } | {name: obj.state_dict() for name, obj in self.extra_state.items()}
 
     def _dataloader_state(self) -> dict[str, Any]:
         """The loader's state with its (in-memory, just made) pickled position re-encoded as
@@ -220,7 +223,7 @@ class CheckpointManager:
         if found[0] is not None:
             if self.initial_load_in_hf and self._partial_model():
                 self._load_hf(Path(self.initial_load_path))  # the base the adapters belong to
-            return self._load_from(found[0].path, COMPONENTS - set(self.exclude_from_loading))
+            return self._load_from(found[0].path, self._components())
         if not self.initial_load_path:
             logger.info(f"checkpoint: none found under {self.root}; starting from step 0")
             return None
@@ -236,8 +239,11 @@ class CheckpointManager:
         dist.broadcast_object_list(reason, src=0, group=self.pg)
         if reason[0] is not None:
             raise RuntimeError(f"checkpoint.initial_load_path {path} is invalid: {reason[0]}")
-        wanted = {"model"} if self.initial_load_model_only else COMPONENTS
+        wanted = {"model"} if self.initial_load_model_only else COMPONENTS | set(self.extra_state)
         return self._load_from(path, wanted - set(self.exclude_from_loading))
+
+    def _components(self) -> set[str]:
+        return (set(COMPONENTS) | set(self.extra_state)) - set(self.exclude_from_loading)
 
     def _partial_model(self) -> bool:
         """Whether checkpoints hold only part of the model (``checkpoint_keys``: adapters)."""
@@ -258,7 +264,7 @@ class CheckpointManager:
         dist.broadcast_object_list(found, src=0, group=self.pg)
         if found[0] is None:
             return None
-        return self._load_from(found[0], COMPONENTS - set(self.exclude_from_loading))
+        return self._load_from(found[0], self._components())
 
     def _find(self) -> io.Found | Exception | None:
         """Rank 0's search (docs/checkpoint.md, "Safety"); an error is returned, to be raised
@@ -322,6 +328,8 @@ class CheckpointManager:
                 key: blank(f"dataloader.{key}"),
                 "dp_world_size": torch.tensor(0),
             }
+        for name in components & set(self.extra_state):
+            sd[name] = self.extra_state[name].state_dict()
         if "rng" in components:
             rng_key = f"rank_{self.rank}" if f"rng.rank_{self.rank}" in saved else "rank_0"
             sd["rng"] = {rng_key: blank(f"rng.{rng_key}")}
@@ -347,6 +355,8 @@ class CheckpointManager:
             )
         if "rng" in sd:
             set_rng_state(next(iter(sd["rng"].values())))
+        for name in set(sd) & set(self.extra_state):
+            self.extra_state[name].load_state_dict(sd[name])
         train_state = decode_state(sd["train_state"]) if "train_state" in sd else None
         if train_state is not None:
             safety.report_ignored_settings(

@@ -16,8 +16,10 @@ from torchtitan.config.sections import (
     Comm,
     Compile,
     Debug,
+    Dpo,
     Eval,
     FaultTolerance,
+    Grpo,
     Lora,
     Metrics,
     Profiling,
@@ -95,6 +97,9 @@ class MixtureSource:
 
 @dataclass
 class Training:
+    mode: Literal["lm", "dpo", "grpo"] = "lm"
+    """What a step trains: lm (next-token loss: pre-training, SFT), dpo (preference pairs of [dpo]) or grpo (sampled completions scored by the rewards of [grpo]); docs/posttrain.md."""
+
     dataset: str = "test_corpus"
     """Dataset name: ``test_corpus`` (shipped), ``json``/``parquet``/``text`` with dataset_path, a hub name, ``tokenized`` (dataset_path is a corpus folder of scripts/pretokenize.py) or ``mixture`` (training.mixture)."""
 
@@ -327,3 +332,5 @@ class JobConfig:
     sft: Sft = field(default_factory=Sft)
     lora: Lora = field(default_factory=Lora)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    dpo: Dpo = field(default_factory=Dpo)
+    grpo: Grpo = field(default_factory=Grpo)

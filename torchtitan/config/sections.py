@@ -294,3 +294,69 @@ class Lora:
 
     quantize_base: Literal["none", "nf4"] = "none"
     """Store the frozen base's adapted projections in NF4 (QLoRA, torchao): one process, FSDP (dp_shard) or PP; TP, CP and replication are refused (docs/lora.md)."""
+
+
+@dataclass
+class Dpo:
+    dataset_path: str = ""
+    """training.mode = dpo: the preference pairs, a JSONL file of {"prompt", "chosen", "rejected"} records or a folder saved by datasets.Dataset.save_to_disk (docs/posttrain.md)."""
+
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust", "simpo"] = "sigmoid"
+    """DPO loss (TRL's formulas): sigmoid (DPO), hinge, ipo, robust (label smoothing), or simpo (reference-free)."""
+
+    beta: float = 0.1
+    """Inverse temperature of the preference loss (> 0)."""
+
+    label_smoothing: float = 0.0
+    """Assumed label noise in [0, 0.5), for loss_type robust or simpo only."""
+
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin (loss_type simpo only)."""
+
+    reference: Literal["auto", "adapters_off", "frozen_copy"] = "auto"
+    """The reference model: adapters_off (LoRA: the base with the adapters off, no memory), frozen_copy (a frozen copy of this rank's parameter shards, checkpointed), or auto (adapters_off under lora.enable, else frozen_copy). Not used by simpo."""
+
+
+@dataclass
+class Grpo:
+    prompts_path: str = ""
+    """training.mode = grpo: a JSONL file of {"prompt": str | messages, "answer": str} records (docs/posttrain.md)."""
+
+    k: int = 4
+    """Completions sampled per prompt (>= 2: with one, every group-normalised advantage is 0)."""
+
+    prompts_per_step: int = 8
+    """Prompts per optimizer step over all data-parallel ranks (a multiple of the data-parallel degree)."""
+
+    rewards: list[str] = field(default_factory=lambda: ["exact_match"])
+    """Reward functions, summed: exact_match, format, or a user callable 'package.module:function' taking (completion, answer) and returning a float."""
+
+    reward_weights: list[float] = field(default_factory=list)
+    """A weight per reward function; empty weighs each 1.0."""
+
+    max_new_tokens: int = 8
+    """Tokens generated per completion."""
+
+    temperature: float = 1.0
+    """Sampling temperature (> 0)."""
+
+    top_k: int = 0
+    """Sample among the k most likely tokens only; 0 samples from all."""
+
+    epsilon_low: float = 0.2
+    """Lower clip of the policy ratio (1 - epsilon_low)."""
+
+    epsilon_high: float = 0.2
+    """Upper clip of the policy ratio (1 + epsilon_high)."""
+
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to the reference (a frozen copy of the starting policy, or the base with the adapters off under LoRA); 0 builds no reference."""
+
+    loss_type: Literal["grpo", "bnpo", "dr_grpo"] = "grpo"
+    """Loss averaging: grpo (sequence level: each completion's token mean, then the mean over completions), bnpo (token level: mean over every completion token), dr_grpo (token sum over completions x max_new_tokens)."""
+
+    scale_rewards: bool = True
+    """Divide each group's centred rewards by the group's standard deviation."""
+
+    seed: int = 0
+    """Seed of the sampling generator (data-parallel rank r uses seed + r); its state is checkpointed."""

@@ -93,7 +93,7 @@ def vlm_dataloader(
     model_args: Any,
 ) -> ParallelAwareDataloader:
     """The ``vlm`` dataset's loader: patches and placeholders by the model's vision tower
-    (``model_args.vision``) and image token (preflight: validate_vlm.py); batches are dicts
+    (``model_args.vision``) and image token (preflight: validate_samples.py); batches are dicts
     (``vlm_dataset.py: collate``)."""
     assert path is not None  # preflight requires a dataset_path for "vlm"
     v = model_args.vision

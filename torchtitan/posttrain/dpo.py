@@ -9,6 +9,7 @@ each rank's pair-loss sum times ``dp / global pairs`` (FSDP/DDP average gradient
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,9 @@ class DpoStep:
     device: torch.device
     max_norm: float = 1.0
     last: dict[str, float] = field(default_factory=dict)
+    # (global mean loss, grad norm) -> whether the optimizer steps (the trainer's non-finite
+    # guard); None always steps.
+    before_update: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
 
     def __post_init__(self) -> None:
         problem = check_settings(self.settings)
@@ -120,8 +124,9 @@ class DpoStep:
             sums += self.forward_backward(batch, scale)
         params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         norm = dist_utils.clip_grad_norm_(params, self.max_norm)
-        self.optimizer.step()
+        means = self._sum(sums) / pairs
+        if self.before_update is None or self.before_update(means[0], norm):
+            self.optimizer.step()
         self.lr_scheduler.step()
-        values = (self._sum(sums) / pairs).tolist()
-        self.last = dict(zip(METRICS, values, strict=True)) | {"grad_norm": float(norm)}
+        self.last = dict(zip(METRICS, means.tolist(), strict=True)) | {"grad_norm": float(norm)}
         return self.last

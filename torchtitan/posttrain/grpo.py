@@ -12,7 +12,7 @@ non-finite value is skipped (no gradient, not in the averages) and counted in ``
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,9 @@ class GrpoStep:
     generator: torch.Generator
     max_norm: float = 1.0
     skipped_reasons: list[str] = field(default_factory=list)
+    # (global loss, grad norm) -> whether the optimizer steps (the trainer's non-finite guard).
+    before_update: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
+    last_loss: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         group_advantages(torch.zeros(max(self.settings.k, 1)), self.settings.k)  # refuses k = 1
@@ -201,7 +204,9 @@ class GrpoStep:
         out.loss.backward()
         params = [p for part in self.parts for p in part.parameters() if p.requires_grad]
         norm = dist_utils.clip_grad_norm_(params, self.max_norm)
-        self.optimizer.step()
+        self.last_loss = self._sum(out.loss.detach().clone()) / dp  # the global batch's loss
+        if self.before_update is None or self.before_update(self.last_loss, norm):
+            self.optimizer.step()
         self.lr_scheduler.step()
         return self._metrics(out, adv, mask, entropy, rewards, skipped, float(norm))
 

@@ -33,10 +33,10 @@ from torchtitan.data.checks import DataError
 from torchtitan.loss.cross_entropy import IGNORE_INDEX
 
 Side = tuple[np.ndarray, np.ndarray]  # inputs, labels (unpadded)
-FIELD = "training.dataset_path"
+FIELD = "dpo.dataset_path"
 
 
-def _records(path: Path) -> Iterator[tuple[int, Any]]:
+def _records(path: Path, field: str = FIELD) -> Iterator[tuple[int, Any]]:
     if path.is_dir():  # a Hugging Face dataset saved with save_to_disk
         import datasets
 
@@ -49,7 +49,7 @@ def _records(path: Path) -> Iterator[tuple[int, Any]]:
                     yield lineno, json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(
-                        FIELD, str(path), f"not JSON ({e.msg})", "fix the record", path, lineno
+                        field, str(path), f"not JSON ({e.msg})", "fix the record", path, lineno
                     ) from None
 
 
@@ -117,11 +117,12 @@ class PreferenceDataset(IterableDataset, Stateful):
         dp_world_size: int = 1,
         template: str | None = None,
         infinite: bool = True,
+        field: str = FIELD,
     ) -> None:
         self.path = Path(path)
         if not self.path.exists():
             raise DataError(
-                FIELD,
+                field,
                 str(path),
                 "no such file or folder",
                 "point it at a JSONL file or a saved dataset",
@@ -129,12 +130,12 @@ class PreferenceDataset(IterableDataset, Stateful):
         self.seq_len, self.pad_id, self.infinite = seq_len, tokenizer.eos_id, infinite
         self.dp_rank, self.dp_world_size = dp_rank, dp_world_size
         self.pairs: list[tuple[Side, Side]] = []
-        for where, record in _records(self.path):
+        for where, record in _records(self.path, field):
             try:
                 self.pairs.append(tokenize_pair(record, tokenizer, seq_len, template))
             except ValueError as e:
                 raise DataError(
-                    FIELD,
+                    field,
                     str(path),
                     f"preference record: {e}",
                     "fix or remove the record",
@@ -142,7 +143,7 @@ class PreferenceDataset(IterableDataset, Stateful):
                     where,
                 ) from None
         if not self.pairs:
-            raise DataError(FIELD, str(path), "no preference pair", "add records", self.path)
+            raise DataError(field, str(path), "no preference pair", "add records", self.path)
         self._next = 0
         self._resume: int | None = None
 

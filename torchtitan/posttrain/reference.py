@@ -104,15 +104,39 @@ class FrozenReference:
     def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for n, c in zip(self.names, self.copies, strict=True):
-                c.copy_(sd[n])
+                c.copy_(_local(sd[n]))
+
+    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
+        """The copies as tensors laid out like their parameters (DTensors over the same mesh
+        and placements under FSDP/TP), sharing the copies' storage: what a distributed
+        checkpoint saves, and loads into in place."""
+        out = {}
+        for n, p, c in zip(self.names, self.params, self.copies, strict=True):
+            if isinstance(p, DTensor):
+                c = DTensor.from_local(
+                    c,
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
+            out[n] = c
+        return out
 
 
 class Reference:
     """The reference forward of a run: adapters off under LoRA, else a :class:`FrozenReference`;
     ``None`` parts for reference-free losses."""
 
-    def __init__(self, parts: list[nn.Module]) -> None:
-        self.frozen = None if has_adapters(parts) else FrozenReference(parts)
+    def __init__(self, parts: list[nn.Module], frozen: bool | None = None) -> None:
+        """``frozen``: a :class:`FrozenReference` (True), the adapters off (False: the parts
+        must have adapters), or the first under full fine-tuning, the second under LoRA (None)."""
+        if frozen is None:
+            frozen = not has_adapters(parts)
+        if not frozen and not has_adapters(parts):
+            raise ValueError("a reference with the adapters off needs LoRA adapters")
+        self.frozen = FrozenReference(parts) if frozen else None
         self.parts = parts
 
     def active(self) -> contextlib.AbstractContextManager[None]:

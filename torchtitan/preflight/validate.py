@@ -20,7 +20,6 @@ from torchtitan.distributed.pipeline_stages import (
 )
 from torchtitan.distributed.utils import device_type
 from torchtitan.models import MODELS, flavor_args, flavor_of
-from torchtitan.preflight.validate_chat import validate_chat
 from torchtitan.preflight.validate_data import validate_data
 from torchtitan.preflight.validate_eval import validate_eval
 from torchtitan.preflight.validate_features import (
@@ -38,9 +37,10 @@ from torchtitan.preflight.validate_parallel import (
     validate_tensor_parallel,
 )
 from torchtitan.preflight.validate_paths import validate_paths
+from torchtitan.preflight.validate_posttrain import validate_mode_fields, validate_posttrain
 from torchtitan.preflight.validate_resilience import validate_resilience
+from torchtitan.preflight.validate_samples import validate_chat, validate_vlm
 from torchtitan.preflight.validate_values import validate_values
-from torchtitan.preflight.validate_vlm import validate_vlm
 from torchtitan.tools.logging import logger
 
 
@@ -113,6 +113,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     if world_size < 1:
         parse_world_size(str(world_size), "world_size")  # raises: no ranks
     validate_values(cfg)  # every number finite and in range, every choice valid
+    validate_mode_fields(cfg)  # [dpo]/[grpo]/LM data fields the mode would ignore
     validate_speed_features(cfg)
     validate_observability(cfg)
     validate_checkpoint(cfg, world_size)
@@ -135,6 +136,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_memory_levers(cfg, world_size)
     validate_optimizer(cfg)  # parameter groups and Muon (docs/optimizers.md)
     validate_paths(cfg)  # dump folder, tokenizer, data files, checkpoint step (touch the disk)
+    validate_posttrain(cfg, dims)  # training.mode, [dpo], [grpo] and their data (docs/posttrain.md)
     validate_eval(cfg)  # [eval]: tasks known, local files present, offline-readable
 
     if cfg.training.mixed_precision_param == "bfloat16" and device_type() != "cuda":

@@ -109,8 +109,8 @@ def _validate_dataset(section: str, dataset: str, dataset_path: str | None, spli
     dataset is not opened here (that needs the network or the cache, and a dataset's config
     name); when it cannot be opened the trainer reports it as one message (DataError), before
     any training step. Pre-tokenized corpora, mixtures and chat data have their own checks
-    (validate_data.py, validate_chat.py)."""
-    if dataset in DATASET_KINDS or dataset in ("chat", "vlm"):  # vlm: validate_vlm.py
+    (validate_data.py, validate_samples.py)."""
+    if dataset in DATASET_KINDS or dataset in ("chat", "vlm"):  # vlm: validate_samples.py
         return
     source = local_source(dataset, dataset_path, split, Fields.of(section))  # DataError if missing
     if source is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -375,7 +376,14 @@ class Trainer:
         state = (self.model_parts, self.optimizer, self.lr_scheduler, self.dataloader)
         adapter = partial(self.spec.state_dict_adapter, self.model_args)
         folder, steps, settings = cfg.job.dump_folder, cfg.training.steps, resume_settings(cfg)
-        return build_checkpointer(cfg.checkpoint, folder, steps, state, adapter, settings)
+        return build_checkpointer(
+            cfg.checkpoint, folder, steps, state, adapter, settings, self._checkpoint_extra()
+        )
+
+    def _checkpoint_extra(self) -> dict[str, Any]:
+        """Checkpointed parts beyond the manager's own, by name (a training mode's state:
+        torchtitan/training/posttrain.py); none here."""
+        return {}
 
     def _load_initial_only(self) -> None:
         """checkpoint.initial_load_path with checkpointing off: the weights (the model was
