@@ -26,6 +26,7 @@ from torchtitan.distributed.pipeline_parallel import split_model
 from torchtitan.distributed.pipeline_plan import PipelinePlan
 from torchtitan.eval.harness import Evaluator, make_lm
 from torchtitan.eval.validation_loss import Validator
+from torchtitan.fault_tolerance.replica import data_shard
 from torchtitan.lora.apply import (
     apply_lora,
     base_init_only,
@@ -64,14 +65,17 @@ def build_rank_dataloader(
     if dataset == "chat":  # chat SFT rows with prompt-masked labels (docs/sft.md)
         return build_chat_dataloader(cfg, dataset_path, tokenizer, dp_mesh, infinite)
     options = DataOptions(t.tokenized_shuffle, cfg.debug.seed, t.mixture, t.mixture_exhausted)
+    dp_rank, dp_world = dp_mesh.get_local_rank(), dp_mesh.size()
+    if split == "train":  # under fault tolerance each replica group reads its own share
+        dp_rank, dp_world = data_shard(cfg.fault_tolerance, dp_rank, dp_world)
     return build_data_loader(
         dataset=dataset,
         dataset_path=dataset_path,
         tokenizer=tokenizer,
         seq_len=t.seq_len,
         local_batch_size=t.local_batch_size,
-        dp_rank=dp_mesh.get_local_rank(),
-        dp_world_size=dp_mesh.size(),
+        dp_rank=dp_rank,
+        dp_world_size=dp_world,
         split=split,
         infinite=infinite,
         sharding=t.data_sharding,

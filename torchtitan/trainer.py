@@ -38,6 +38,7 @@ from torchtitan.distributed.context_parallel import ContextParallel
 from torchtitan.distributed.float8 import register_float8_precompute_hook
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
+from torchtitan.fault_tolerance.replica import ReplicaGroup
 from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
 from torchtitan.lora.qlora import quantize_base
@@ -76,6 +77,9 @@ class Trainer:
         self._build_checkpointer()  # resume from the newest valid checkpoint
         self._quantize_base()  # QLoRA: the final frozen base to NF4 (docs/lora.md)
         self._build_step()  # one training step, given every collaborator it uses
+        # torchft replica groups (docs/fault_tolerance.md): quorum, cross-group gradients
+        self.replicas = ReplicaGroup.for_trainer(self) if cfg.fault_tolerance.enable else None
+        self.steps.replicas = self.replicas
         logger.info(
             f"{self.batch.describe()}; seq_len {cfg.training.seq_len}; "
             f"param dtype {self.param_dtype}"
@@ -397,6 +401,8 @@ class Trainer:
         self.metrics.start_timer(self.step)
         self.profiling.start(self.step)
         while self.step < cfg.training.steps:
+            if self.replicas is not None:  # the last committed step; a recovering group's peer's
+                self.step = self.replicas.start_step(self.step)
             self.step += 1
             if gc_freq > 0 and self.step % gc_freq == 0:
                 gc.collect(1)
@@ -406,6 +412,8 @@ class Trainer:
             group = self.optimizer.param_groups[0]  # the schedule's lr (x1, docs/optimizers.md)
             lr = group["lr"] / group.get("lr_mult", 1.0)
             loss, grad_norm = self.train_step()
+            if self.replicas is not None and not self.replicas.committed:
+                continue  # torchft discarded the step: start_step runs it again
             if self.steps.rollback_pending:
                 resumed = self.steps.rollback(self.step)
                 if resumed is not None:
@@ -454,6 +462,8 @@ class Trainer:
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.close()
+        if self.replicas is not None:
+            self.replicas.close()
         try:  # committing a background save may fail (a full disk): close the rest anyway
             if self.checkpointer is not None:
                 self.checkpointer.close()

@@ -37,6 +37,7 @@ ALLOWED = {
     "plan": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"}
     | {"preflight"},
+    "fault_tolerance": BASE | {"guards"},
     "posttrain": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "lora"},
 }

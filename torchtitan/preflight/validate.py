@@ -23,6 +23,10 @@ from torchtitan.models import MODELS, flavor_args, flavor_of
 from torchtitan.preflight.validate_chat import validate_chat
 from torchtitan.preflight.validate_data import validate_data
 from torchtitan.preflight.validate_eval import validate_eval
+from torchtitan.preflight.validate_fault_tolerance import (
+    check_lighthouse,
+    validate_fault_tolerance,
+)
 from torchtitan.preflight.validate_features import (
     validate_attention,
     validate_checkpoint,
@@ -116,6 +120,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_observability(cfg)
     validate_checkpoint(cfg, world_size)
     validate_resilience(cfg)
+    validate_fault_tolerance(cfg)  # replica groups with torchft (docs/fault_tolerance.md)
     _validate_model(cfg)
     _validate_training(cfg)
     validate_data(cfg)  # tokenized corpora and mixtures (docs/data.md)
@@ -134,6 +139,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_optimizer(cfg)  # parameter groups and Muon (docs/optimizers.md)
     validate_paths(cfg)  # dump folder, tokenizer, data files, checkpoint step (touch the disk)
     validate_eval(cfg)  # [eval]: tasks known, local files present, offline-readable
+    check_lighthouse(cfg)  # torchft's lighthouse answers (a network check)
 
     if cfg.training.mixed_precision_param == "bfloat16" and device_type() != "cuda":
         logger.warning(

@@ -1,0 +1,111 @@
+"""Checks of replica fault tolerance with torchft (docs/fault_tolerance.md), before any
+process group: the replica groups' layout, the timeouts, and a lighthouse that answers."""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+
+from torchtitan.config.errors import ConfigError
+from torchtitan.config.job_config import JobConfig
+
+START_LIGHTHOUSE = (
+    "start one with `torchft_lighthouse --min_replicas 1 --bind [::]:29510` "
+    "(or ./run_train.sh with TORCHFT_LIGHTHOUSE=start), then pass its http://host:port"
+)
+
+
+def lighthouse_address(cfg: JobConfig) -> str:
+    """fault_tolerance.lighthouse, else the TORCHFT_LIGHTHOUSE environment variable."""
+    return cfg.fault_tolerance.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE", "")
+
+
+def validate_fault_tolerance(cfg: JobConfig) -> None:
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return
+    if ft.group_size < 2:
+        raise ConfigError(
+            "fault_tolerance.group_size",
+            ft.group_size,
+            "fault tolerance needs at least 2 replica groups: each group is one torchrun job, "
+            "and the groups together are the data-parallel replicate dimension",
+            "set --fault_tolerance.group_size to the number of jobs (>= 2) and give each job "
+            "its --fault_tolerance.replica_id 0..group_size-1",
+        )
+    if not 0 <= ft.replica_id < ft.group_size:
+        raise ConfigError(
+            "fault_tolerance.replica_id",
+            ft.replica_id,
+            f"must be in 0..{ft.group_size - 1} (fault_tolerance.group_size {ft.group_size})",
+            "give each replica group's job its own id",
+        )
+    if cfg.parallelism.data_parallel_replicate_degree != 1:
+        raise ConfigError(
+            "parallelism.data_parallel_replicate_degree",
+            cfg.parallelism.data_parallel_replicate_degree,
+            "must be 1 with fault_tolerance.enable: the replicas are the separate replica-group "
+            "jobs (fault_tolerance.group_size), joined by torchft",
+            "set it to 1 and start one job per replica group; inside a job use FSDP/TP/PP",
+        )
+    if not 1 <= ft.min_replicas <= ft.group_size:
+        raise ConfigError(
+            "fault_tolerance.min_replicas",
+            ft.min_replicas,
+            f"must be in 1..fault_tolerance.group_size ({ft.group_size})",
+            "use e.g. 1 to go on while any group lives",
+        )
+    for name in ("quorum_timeout_seconds", "connect_timeout_seconds", "timeout_seconds"):
+        value = getattr(ft, name)
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ConfigError(
+                f"fault_tolerance.{name}", value, "must be a finite number > 0", "use e.g. 60"
+            )
+    _validate_with_other_features(cfg)
+
+
+def _validate_with_other_features(cfg: JobConfig) -> None:
+    t = cfg.training
+    if t.data_sharding != "window" or t.dataset == "chat":
+        value = t.dataset if t.dataset == "chat" else t.data_sharding
+        raise ConfigError(
+            "training.dataset" if t.dataset == "chat" else "training.data_sharding",
+            value,
+            "fault tolerance hands a recovering group its peer's data position, which is its "
+            "own position only under window sharding (every shard at the same window count)",
+            "use training.data_sharding = 'window' with a text dataset",
+        )
+    if t.spike_policy == "rollback":
+        raise ConfigError(
+            "training.spike_policy",
+            t.spike_policy,
+            "a rollback reloads a checkpoint in one replica group alone, leaving its peers",
+            "use warn or skip_step with fault_tolerance.enable",
+        )
+
+
+def check_lighthouse(cfg: JobConfig) -> None:
+    """The lighthouse answers at its address (a network check: last in the preflight)."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return
+    addr = lighthouse_address(cfg)
+    if not addr:
+        raise ConfigError(
+            "fault_tolerance.lighthouse",
+            addr,
+            "fault tolerance needs the address of torchft's lighthouse (or TORCHFT_LIGHTHOUSE)",
+            START_LIGHTHOUSE,
+        )
+    from torchft.coordination import LighthouseClient
+
+    try:
+        LighthouseClient(addr, connect_timeout=timedelta(seconds=ft.connect_timeout_seconds))
+    except RuntimeError:
+        raise ConfigError(
+            "fault_tolerance.lighthouse",
+            addr,
+            f"no torchft lighthouse answers there within {ft.connect_timeout_seconds:g} s",
+            START_LIGHTHOUSE,
+        ) from None
