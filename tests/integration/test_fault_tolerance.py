@@ -5,6 +5,7 @@ live from a peer, and at the end its weights and optimizer state equal its peers
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -99,3 +100,59 @@ def test_replica_killed_and_relaunched_rejoins_bitwise(tmp_path: Path) -> None:
 def test_three_groups_of_two_ranks_kill_and_rejoin(tmp_path: Path) -> None:
     numbers = _kill_and_rejoin(tmp_path, groups=3, ngpu=2)
     print(f"fault tolerance, 3 groups x 2 ranks: {numbers}")
+
+
+@pytest.mark.slow
+def test_two_groups_lost_below_min_replicas_stop_cleanly(tmp_path: Path) -> None:
+    """3 groups, min_replicas 2: two SIGKILLed at once; the survivor stops with one message
+    (exit 3) after saving its last committed step."""
+    lighthouse = Lighthouse(tmp_path, min_replicas=2)
+    args = ("--training.steps", "1000", "--checkpoint.enable", "--checkpoint.interval", "1000")
+    args += ("--fault_tolerance.min_replicas", "2", "--fault_tolerance.quorum_timeout_seconds", "5")
+    args += ("--fault_tolerance.timeout_seconds", "10")
+    replicas = [Replica(tmp_path, g, 3, 1, lighthouse.address, *args, fault=PACE) for g in range(3)]
+    try:
+        wait_for(lambda: all(r.last_step() >= 3 for r in replicas), 300, "step 3", replicas)
+        for r in replicas[1:]:
+            r.sigkill()
+        survivor = replicas[0]
+        assert survivor.wait(120) == 3, survivor.text()[-4000:]
+    finally:
+        for r in replicas:
+            if r.proc.poll() is None:
+                r.sigkill()
+        lighthouse.kill()
+    out = survivor.text()
+    assert "training aborted: fault tolerance: fewer than fault_tolerance.min_replicas=2" in out
+    saved = re.search(r"step (\d+), the last committed, is in the checkpoint folder", out)
+    assert saved, out[-4000:]
+    assert int(saved[1]) >= max(s for s, _ in survivor.steps())  # no committed step lost
+    assert (survivor.folder / "checkpoint" / f"step-{saved[1]}").is_dir()
+
+
+@pytest.mark.slow
+def test_lighthouse_killed_and_restarted(tmp_path: Path) -> None:
+    """The lighthouse dies and comes back on its address: both groups go on stepping."""
+    lighthouse = Lighthouse(tmp_path)
+    replicas = [
+        Replica(tmp_path, g, 2, 1, lighthouse.address, "--training.steps", "1000", fault=PACE)
+        for g in range(2)
+    ]
+    try:
+        wait_for(lambda: all(r.last_step() >= 3 for r in replicas), 300, "step 3", replicas)
+        lighthouse.kill()
+        time.sleep(1.0)
+        at_restart = [r.last_step() for r in replicas]
+        lighthouse.restart()
+        wait_for(
+            lambda: all(r.last_step() >= s + 5 for r, s in zip(replicas, at_restart, strict=True)),
+            180,
+            "5 steps after the lighthouse restart",
+            replicas,
+        )
+        assert all(r.proc.poll() is None for r in replicas)
+    finally:
+        for r in replicas:
+            if r.proc.poll() is None:
+                r.sigkill()
+        lighthouse.kill()

@@ -261,6 +261,9 @@ class FaultTolerance:
     timeout_seconds: float = 60.0
     """Timeout of the cross-replica collectives and of a live recovery's transfer."""
 
+    quorum_retries: int = 3
+    """Times a failed quorum request is retried before the job stops: a lighthouse restarted within them is survived."""
+
 
 @dataclass
 class Eval:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -59,6 +60,9 @@ class ReplicaGroup:
     ) -> None:
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
+        # torch's loader of a received state warns that torchft's read-only buffer is copied
+        warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+
         self.ft, self.model_parts, self.optimizer = ft, model_parts, optimizer
         self.lr_scheduler, self.dataloader, self.on_data_reset = (
             lr_scheduler,
@@ -69,6 +73,7 @@ class ReplicaGroup:
         pg = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
         self.recoveries: list[tuple[int, float]] = []  # (step received, seconds taken)
         self.committed = True  # whether the last step's update was applied
+        self.save_on_stop: Callable[[int], None] | None = None  # a checkpoint before stopping
         self._recovered = False  # whether this step's quorum loaded a peer's state
         self.manager = Manager(
             pg=pg,
@@ -85,6 +90,7 @@ class ReplicaGroup:
             replica_id=f"replica_{ft.replica_id}",
             init_sync=False,  # every group initialises the same weights from debug.seed
             max_retries=3,
+            quorum_retries=ft.quorum_retries,
         )
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
         logger.info(
@@ -104,7 +110,7 @@ class ReplicaGroup:
                 steps.grad_accum_steps
             )
 
-        return cls(
+        group = cls(
             trainer.cfg.fault_tolerance,
             trainer.model_parts,
             trainer.optimizer,
@@ -114,6 +120,15 @@ class ReplicaGroup:
             trainer.step,
             trainer.device,
         )
+        ckpt = trainer.checkpointer
+        if ckpt is not None:
+
+            def save(step: int) -> None:  # the last committed step, unless saved already
+                if step > 0 and step % ckpt.interval != 0:
+                    ckpt.save(step, step * trainer.global_tokens_per_step, blocking=True)
+
+            group.save_on_stop = save
+        return group
 
     # ------------------------------------------------------------------ the step's seams
     def start_step(self, step: int) -> int:
@@ -123,9 +138,13 @@ class ReplicaGroup:
         try:
             self.manager.start_quorum()
         except Exception as e:  # the lighthouse gave no quorum in time
-            raise self._lost(
-                f"no quorum within {self.ft.quorum_timeout_seconds:g} s: {e}"
-            ) from None
+            text = " ".join(str(e).split())[:300]
+            why = f"no quorum within {self.ft.quorum_timeout_seconds:g} s: {text}"
+            if self.save_on_stop is not None:  # the weights are those of the last commit
+                committed = self.manager.current_step()
+                self.save_on_stop(committed)
+                why += f"; step {committed}, the last committed, is in the checkpoint folder"
+            raise self._lost(why) from None
         if self.manager.errored() is not None:
             logger.warning(f"fault tolerance: quorum error ({e_text(self)}); the step is redone")
         committed = self.manager.current_step()
