@@ -31,7 +31,7 @@ def lighthouse_cmd(port: int, min_replicas: int) -> list[str]:
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     return [
         str(binary), "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas),
-        "--join_timeout_ms", "300", "--heartbeat_timeout_ms", "1500",
+        "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "1500",
     ]  # fmt: skip
 
 
@@ -44,10 +44,17 @@ class Lighthouse:
         self.proc = self._start()
 
     def _start(self) -> subprocess.Popen:
-        with open(self.folder / "lighthouse.log", "a") as log:  # the child keeps its own fd
-            return subprocess.Popen(
+        log_path = self.folder / "lighthouse.log"
+        listening = log_path.read_text().count("Lighthouse listening") if log_path.exists() else 0
+        with open(log_path, "a") as log:  # the child keeps its own fd
+            proc = subprocess.Popen(
                 lighthouse_cmd(self.port, self.min_replicas), stdout=log, stderr=log
             )
+        end = time.monotonic() + 60
+        while log_path.read_text().count("Lighthouse listening") == listening:
+            assert time.monotonic() < end and proc.poll() is None, log_path.read_text()
+            time.sleep(0.1)
+        return proc
 
     def kill(self) -> None:
         self.proc.kill()

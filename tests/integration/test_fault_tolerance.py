@@ -41,11 +41,22 @@ def _same(a: object, b: object, torch: object) -> bool:
     return a == b
 
 
+def _common_step(replicas: list[Replica], after: int) -> int:
+    """The first checkpoint step after ``after`` that every group has saved (0: none yet); a
+    group that received a step from a peer did not save it itself."""
+    saved = [
+        {int(p.name[5:]) for p in (r.folder / "checkpoint").glob("step-*[0-9]")} for r in replicas
+    ]
+    common = [s for s in set.intersection(*saved) if s > after]
+    return min(common, default=0)
+
+
 def _kill_and_rejoin(tmp_path: Path, groups: int, ngpu: int) -> dict[str, float]:
     """Kill the last group at its step 4, relaunch it at once (as a restart policy would);
     once it has recovered, the first checkpoint every group writes must be bitwise equal."""
     lighthouse = Lighthouse(tmp_path)
     args = ("--training.steps", "1000", "--checkpoint.enable", "--checkpoint.interval", "5")
+    args += ("--fault_tolerance.timeout_seconds", "10")  # a quorum that still counted the dead
     replicas = [
         Replica(tmp_path, g, groups, ngpu, lighthouse.address, *args, fault=PACE)
         for g in range(groups)
@@ -68,9 +79,11 @@ def _kill_and_rejoin(tmp_path: Path, groups: int, ngpu: int) -> dict[str, float]
             lambda: RECOVERED.search(victim.log.read_text()) is not None, 300, "recovery", replicas
         )
         recovered = RECOVERED.findall(victim.log.read_text())
-        at = (int(recovered[0][0]) // 5 + 1) * 5  # the first checkpoint after the recovery
-        folders = [r.folder / "checkpoint" / f"step-{at}" for r in replicas]
-        wait_for(lambda: all(f.exists() for f in folders), 300, f"step-{at} everywhere", replicas)
+        after = int(recovered[0][0])  # the first checkpoint every group saved after it
+        wait_for(lambda: _common_step(replicas, after) > 0, 300, "a common checkpoint", replicas)
+        folders = [
+            r.folder / "checkpoint" / f"step-{_common_step(replicas, after)}" for r in replicas
+        ]
         survivor_steps = [s for s, _ in survivors[0].steps()]
     finally:
         for r in replicas:

@@ -38,6 +38,20 @@ def data_shard(ft: FaultTolerance, dp_rank: int, dp_world: int) -> tuple[int, in
     return ft.replica_id * dp_world + dp_rank, ft.group_size * dp_world
 
 
+def data_position(loader: Any) -> bytes:
+    """A ``ParallelAwareDataloader``'s position in its own shard (its pickled loader state)."""
+    return loader.state_dict()[f"dp_rank_{loader.dp_rank}"]
+
+
+def load_data_position(loader: Any, position: bytes) -> None:
+    """Continue ``loader`` from a peer's position: under window sharding (the preflight's rule)
+    every shard is at the same window count when the groups step in lockstep, so the peer's
+    position in its shard is this rank's in its own."""
+    loader.load_state_dict(
+        {f"dp_rank_{loader.dp_rank}": position, "dp_world_size": loader.dp_world_size}
+    )
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP/TP), else the tensor itself."""
     to_local = getattr(t, "to_local", None)
@@ -135,6 +149,7 @@ class ReplicaGroup:
         """Join this step's quorum; returns the number of the last committed step (a
         recovering group's comes from its peer)."""
         start, self._recovered = time.perf_counter(), False
+        before = self.manager.current_step()
         try:
             self.manager.start_quorum()
         except Exception as e:  # the lighthouse gave no quorum in time
@@ -153,7 +168,7 @@ class ReplicaGroup:
             self.recoveries.append((committed, seconds))
             logger.info(
                 f"fault tolerance: recovered live from a peer at step {committed} "
-                f"(was at step {step}) in {seconds:.2f} s"
+                f"(was at step {before}) in {seconds:.2f} s"
             )
         return committed
 
@@ -186,13 +201,11 @@ class ReplicaGroup:
     def _state_dict(self) -> dict[str, Any]:
         """What a recovering peer's rank receives from this one: the model and optimizer
         (local shards), the LR schedule and this rank's data position."""
-        data = self.dataloader.state_dict()
-        own = f"dp_rank_{self.dataloader.dp_rank}"
         return {
             "model": [part.state_dict() for part in self.model_parts],
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
-            "data": data[own],  # the position in the peer's shard, the same in lockstep
+            "data": data_position(self.dataloader),
         }
 
     def _load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -200,10 +213,7 @@ class ReplicaGroup:
             part.load_state_dict(part_sd)
         self.optimizer.load_state_dict(sd["optimizer"])
         self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
-        own = f"dp_rank_{self.dataloader.dp_rank}"
-        self.dataloader.load_state_dict(
-            {own: sd["data"], "dp_world_size": self.dataloader.dp_world_size}
-        )
+        load_data_position(self.dataloader, sd["data"])
         self.on_data_reset()
         self._recovered = True
 

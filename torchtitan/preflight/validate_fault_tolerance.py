@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import urllib.request
 
 from torchtitan.config.errors import ConfigError, require_int
@@ -99,16 +100,27 @@ def check_lighthouse(cfg: JobConfig) -> None:
             "fault tolerance needs the address of torchft's lighthouse (or TORCHFT_LIGHTHOUSE)",
             START_LIGHTHOUSE,
         )
-    try:  # the lighthouse serves its dashboard over HTTP on the same address
-        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy
-        with direct.open(addr, timeout=ft.connect_timeout_seconds) as reply:
-            ok = b"Lighthouse" in reply.read(4096)
-    except (OSError, ValueError):
-        ok = False
-    if not ok:
+    if not _answers(addr, ft.connect_timeout_seconds):
         raise ConfigError(
             "fault_tolerance.lighthouse",
             addr,
             f"no torchft lighthouse answers there within {ft.connect_timeout_seconds:g} s",
             START_LIGHTHOUSE,
         )
+
+
+def _answers(addr: str, seconds: float) -> bool:
+    """Whether torchft's lighthouse dashboard answers at ``addr`` (HTTP, no proxy) within
+    ``seconds``; a refused connection is retried (a lighthouse may be starting)."""
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    end = time.monotonic() + seconds
+    while True:
+        try:
+            with direct.open(addr, timeout=max(end - time.monotonic(), 0.1)) as reply:
+                return b"Lighthouse" in reply.read(4096)
+        except ValueError:  # not a URL
+            return False
+        except OSError:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.2)
