@@ -50,3 +50,29 @@ def test_peer_position_is_the_recovering_groups_own() -> None:
         assert torch.equal(x, ex) and torch.equal(y, ey)
     # and it is not the peer's data
     assert not torch.equal(got[0][0], next(peer_batches)[0])
+
+
+def test_explain_names_the_layout_traffic_and_memory() -> None:
+    """--job.explain with fault tolerance: the group, the cross-group bytes of a rank's
+    gradient shard (debugmodel's fp32 parameters over FSDP 2), the recovery buffer."""
+    from torchft.coordination import LighthouseServer
+
+    from torchtitan.models import MODELS
+    from torchtitan.plan.auto import load_config
+    from torchtitan.plan.explain import explain
+    from torchtitan.plan.ft_explain import MIB
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
+    try:
+        argv = ["--job.config_file", "train_configs/debug_model.toml", "--fault_tolerance.enable"]
+        argv += ["--fault_tolerance.group_size", "3", "--fault_tolerance.replica_id", "1"]
+        argv += ["--fault_tolerance.lighthouse", lighthouse.address()]
+        cfg, _, _ = load_config(argv, world_size=2)
+    finally:
+        lighthouse.shutdown()
+    text = explain(cfg, 2, device_type="cpu")
+    shard = MODELS["llama3"].num_params(MODELS["llama3"].flavors["debugmodel"]) * 4 / 2 / MIB
+    assert "this job is replica group 1 of 3" in text and "(6 data shards" in text, text
+    assert f"all-reduces its {shard:,.1f} MiB gradient shard" in text, text
+    assert f"~{2 * 2 / 3 * shard:,.1f} MiB sent per step" in text, text
+    assert f"(~{3 * shard:,.1f} MiB)" in text, text

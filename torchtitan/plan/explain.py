@@ -26,6 +26,7 @@ from torchtitan.plan.estimator import (
     in_flight_microbatches,
     model_args_for,
 )
+from torchtitan.plan.ft_explain import fault_tolerance_lines
 from torchtitan.plan.moe_explain import moe_lines
 from torchtitan.preflight.validate import pipeline_plan
 
@@ -121,6 +122,7 @@ def explain(
         + (f"; the {dims.tp} TP ranks of a group share them" if dims.tp > 1 else "")
     )
     add(_attention_line(cfg, device_type, dims.cp))
+    lines.extend(fault_tolerance_lines(cfg, dims, MODELS[cfg.model.name].num_params(args)))
     lines.extend(moe_lines(cfg, args, dims, device_type))  # MoE flavors only
     if plan is not None:
         mb = t.local_batch_size // plan.n_microbatches
