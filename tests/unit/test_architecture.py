@@ -36,7 +36,7 @@ ALLOWED = {
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"},
     "plan": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"}
-    | {"preflight"},
+    | {"preflight", "fault_tolerance"},
     "fault_tolerance": BASE | {"guards"},
     "posttrain": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "lora"},

@@ -57,10 +57,10 @@ def test_explain_names_the_layout_traffic_and_memory() -> None:
     gradient shard (debugmodel's fp32 parameters over FSDP 2), the recovery buffer."""
     from torchft.coordination import LighthouseServer
 
+    from torchtitan.fault_tolerance.explain import MIB
     from torchtitan.models import MODELS
     from torchtitan.plan.auto import load_config
     from torchtitan.plan.explain import explain
-    from torchtitan.plan.ft_explain import MIB
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
     try:

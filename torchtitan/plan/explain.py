@@ -16,6 +16,7 @@ import torch
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import AXES, ParallelDims
 from torchtitan.distributed.utils import device_type as detect_device_type
+from torchtitan.fault_tolerance.explain import fault_tolerance_lines
 from torchtitan.models import MODELS, model_title
 from torchtitan.models.common.attention import resolve_attn_backend
 from torchtitan.plan.estimator import (
@@ -26,7 +27,6 @@ from torchtitan.plan.estimator import (
     in_flight_microbatches,
     model_args_for,
 )
-from torchtitan.plan.ft_explain import fault_tolerance_lines
 from torchtitan.plan.moe_explain import moe_lines
 from torchtitan.preflight.validate import pipeline_plan
 
