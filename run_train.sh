@@ -31,6 +31,13 @@
 # it at each log step), so LOG_RANK=0 is enough; `last` resolves the layout for you.
 #
 # The first run creates .venv (scripts/setup_env.sh); set TORCHTITAN_PYTHON to use another python.
+#
+# Replica fault tolerance with torchft (--fault_tolerance.enable, docs/fault_tolerance.md): one
+# run_train.sh per replica group, each with its --fault_tolerance.replica_id. They meet at torchft's
+# lighthouse: TORCHFT_LIGHTHOUSE=http://host:29510 points at a running one (or pass
+# --fault_tolerance.lighthouse); TORCHFT_LIGHTHOUSE=start starts one here first, in the background
+# and outliving this job, on LIGHTHOUSE_PORT (default 29510) with LIGHTHOUSE_MIN_REPLICAS (default 1)
+# and LIGHTHOUSE_ARGS, and prints where it listens (its log: LIGHTHOUSE_LOG, default ./lighthouse.log).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -42,6 +49,7 @@ for f in "${config_files[@]}"; do
     [[ "$f" = /* || -f "$f" ]] && f="$(cd "$(dirname "$f")" && pwd)/$(basename "$f")"
     config="${config:+$config,}$f"
 done
+lighthouse_log="${LIGHTHOUSE_LOG:-$PWD/lighthouse.log}"  # TORCHFT_LIGHTHOUSE=start, below
 cd "$root"
 
 python="${TORCHTITAN_PYTHON:-$("$root/scripts/setup_env.sh")}"
@@ -52,6 +60,20 @@ if [[ -z "${NGPU:-}" ]]; then
     else
         NGPU=2
     fi
+fi
+if [[ "${TORCHFT_LIGHTHOUSE:-}" == start ]]; then
+    port="${LIGHTHOUSE_PORT:-29510}"
+    lighthouse="$(dirname "$python")/torchft_lighthouse"
+    [[ -x "$lighthouse" ]] || lighthouse=torchft_lighthouse
+    # setsid: the lighthouse outlives this job (a replica group that dies must not take it along)
+    setsid "$lighthouse" --bind "[::]:$port" --min_replicas "${LIGHTHOUSE_MIN_REPLICAS:-1}" \
+        ${LIGHTHOUSE_ARGS:-} >"$lighthouse_log" 2>&1 </dev/null &
+    export TORCHFT_LIGHTHOUSE="http://$(hostname):$port"
+    for _ in $(seq 50); do
+        grep -q "Lighthouse listening" "$lighthouse_log" 2>/dev/null && break
+        sleep 0.2
+    done
+    echo "torchft lighthouse (pid $!) listening on $TORCHFT_LIGHTHOUSE; log $lighthouse_log" >&2
 fi
 # Validate before torchrun starts: a config error is one message and exit 2, no rank started;
 # --launch adds the fit check against this machine's memory (docs/planning.md).

@@ -80,6 +80,8 @@ else
 fi
 echo "torch==$existing" >>"$constraints"
 
+# The dev extra includes torchft (docs/fault_tolerance.md): the constraint keeps it on this torch
+# (its wheel depends on any torch, so unconstrained pip could pull a CUDA build in its place).
 log "installing torchtitan and its dependencies (constrained to torch==$existing)"
 quiet_pip install -q -c "$constraints" -e "$root[dev]" >&2
 echo "$key" >"$stamp"

@@ -62,6 +62,7 @@ class Skip:
 Mode = Fast | Slow | Skip
 
 GPU = "needs a CUDA GPU"
+FT = "two jobs meeting at a lighthouse (tests/integration/test_fault_tolerance.py launches them)"
 CLUSTER = "needs a SLURM cluster (multinode_trainer.slurm; test_launch_options.py checks its torchrun options)"
 EIGHT = (
     "8 ranks of the debug model: too slow on 2 CPU cores (the layouts run in tests/distributed/)"
@@ -80,6 +81,13 @@ SHRINK = "--training.seq_len 32 --training.local_batch_size 2 --metrics.log_freq
 SFT_SMALL = "--training.seq_len 128 --training.local_batch_size 2 --validation.steps 2 --metrics.log_freq 20"
 
 COMMANDS: dict[str, Mode] = {
+    # docs/fault_tolerance.md
+    "TORCHFT_LIGHTHOUSE=start LIGHTHOUSE_MIN_REPLICAS=1 ./run_train.sh --fault_tolerance.enable --fault_tolerance.group_size 2 --fault_tolerance.replica_id 0 --job.dump_folder outputs/group0": Skip(
+        FT
+    ),
+    "TORCHFT_LIGHTHOUSE=http://localhost:29510 ./run_train.sh --fault_tolerance.enable --fault_tolerance.group_size 2 --fault_tolerance.replica_id 1 --job.dump_folder outputs/group1": Skip(
+        FT
+    ),
     # README.md
     "./run_train.sh": Slow(SMALL),
     "./run_tests.sh": Skip(TESTS),

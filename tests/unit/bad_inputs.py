@@ -571,6 +571,44 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "lora.enable",
         "adapters are not built on float8 linears",
     ),
+    # replica fault tolerance with torchft (docs/fault_tolerance.md)
+    (
+        "ft-one-group",
+        ["--fault_tolerance.enable"],
+        1,
+        "fault_tolerance.group_size",
+        "fault tolerance needs at least 2 replica groups",
+    ),
+    (
+        "ft-dp-replicate",
+        [
+            "--fault_tolerance.enable",
+            "--fault_tolerance.group_size",
+            "2",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+        ],
+        2,
+        "parallelism.data_parallel_replicate_degree",
+        "the replicas are the separate replica-group jobs",
+    ),
+    (
+        "ft-replica-id",
+        ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
+        + ["--fault_tolerance.replica_id", "2"],
+        1,
+        "fault_tolerance.replica_id",
+        "must be in 0..1",
+    ),
+    (
+        "ft-lighthouse-down",
+        ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
+        + ["--fault_tolerance.lighthouse", "http://localhost:9"]
+        + ["--fault_tolerance.connect_timeout_seconds", "1"],
+        1,
+        "fault_tolerance.lighthouse",
+        "no torchft lighthouse answers there within 1 s. Fix: start one with `torchft_lighthouse",
+    ),
 ]
 
 

@@ -37,7 +37,8 @@ ALLOWED = {
     | {"posttrain"},
     "planner": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "eval", "lora"}
-    | {"preflight"},
+    | {"preflight", "fault_tolerance"},
+    "fault_tolerance": BASE | {"guards"},
     "posttrain": BASE
     | {"models", "loss", "optim", "metrics", "guards", "data", "checkpoint", "lora"},
 }

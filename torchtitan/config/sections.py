@@ -237,6 +237,33 @@ class FaultTolerance:
     straggler_log_steps: int = 3
     """Consecutive log steps a rank must be slow before it is flagged as a straggler."""
 
+    enable: bool = False
+    """Replica fault tolerance with torchft (docs/fault_tolerance.md): this job is one replica group of group_size; the groups average gradients through a torchft Manager, a dead group is dropped from the quorum and a restarted one fetches its state live from a healthy peer. Each group is its own torchrun job with parallelism.data_parallel_replicate_degree 1 inside it."""
+
+    replica_id: int = 0
+    """This job's replica group, 0..group_size-1 (it also picks the group's share of the data)."""
+
+    group_size: int = 0
+    """Number of replica groups (torchrun jobs) in the run; at least 2 with enable."""
+
+    lighthouse: str = ""
+    """Address of torchft's lighthouse (e.g. http://host:29510); empty reads TORCHFT_LIGHTHOUSE. run_train.sh can start one (docs/fault_tolerance.md)."""
+
+    min_replicas: int = 1
+    """A step commits only while at least this many replica groups take part; below it the job stops with a message."""
+
+    quorum_timeout_seconds: float = 60.0
+    """How long a step waits for the replica groups' quorum."""
+
+    connect_timeout_seconds: float = 10.0
+    """How long connecting to the lighthouse or a peer's manager may take."""
+
+    timeout_seconds: float = 60.0
+    """Timeout of the cross-replica collectives and of a live recovery's transfer."""
+
+    quorum_retries: int = 3
+    """Times a failed quorum request is retried before the job stops: a lighthouse restarted within them is survived."""
+
 
 @dataclass
 class Eval:

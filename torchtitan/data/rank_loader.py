@@ -32,10 +32,13 @@ def rank_dataloader(
     seed: int,
     with_doc_ids: bool,
     model_args: Any = None,
+    shard: tuple[int, int] | None = None,
 ) -> ParallelAwareDataloader:
     """``dataset`` at ``dataset_path`` (the training or the validation set) for this rank of
     ``dp_mesh``; ``with_doc_ids`` (block_causal attention) adds each token's document id;
-    ``model_args`` (the ``vlm`` dataset only): the model's vision settings and image token."""
+    ``model_args`` (the ``vlm`` dataset only): the model's vision settings and image token;
+    ``shard``: the (data rank, data world) to read instead of ``dp_mesh``'s (fault-tolerant
+    replica groups each read their own share: docs/fault_tolerance.md)."""
     t = training
     if dataset == "chat":  # chat SFT rows with prompt-masked labels (docs/sft.md)
         return chat_dataloader(t, sft, dataset_path, tokenizer, dp_mesh, infinite, with_doc_ids)
@@ -47,8 +50,8 @@ def rank_dataloader(
         tokenizer=tokenizer,
         seq_len=t.seq_len,
         local_batch_size=t.local_batch_size,
-        dp_rank=dp_mesh.get_local_rank(),
-        dp_world_size=dp_mesh.size(),
+        dp_rank=shard[0] if shard else dp_mesh.get_local_rank(),
+        dp_world_size=shard[1] if shard else dp_mesh.size(),
         split=split,
         infinite=infinite,
         sharding=t.data_sharding,

@@ -16,6 +16,7 @@ import torch
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import AXES, ParallelDims
 from torchtitan.distributed.utils import device_type as detect_device_type
+from torchtitan.fault_tolerance.explain import fault_tolerance_lines
 from torchtitan.models import MODELS, model_title
 from torchtitan.models.common.attention import resolve_attn_backend
 from torchtitan.planner.estimator import (
@@ -121,6 +122,7 @@ def explain(
         + (f"; the {dims.tp} TP ranks of a group share them" if dims.tp > 1 else "")
     )
     add(_attention_line(cfg, device_type, dims.cp))
+    lines.extend(fault_tolerance_lines(cfg, dims, MODELS[cfg.model.name].num_params(args)))
     lines.extend(moe_lines(cfg, args, dims, device_type))  # MoE flavors only
     if plan is not None:
         mb = t.local_batch_size // plan.n_microbatches

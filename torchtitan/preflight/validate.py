@@ -38,7 +38,11 @@ from torchtitan.preflight.validate_parallel import (
 )
 from torchtitan.preflight.validate_paths import validate_paths
 from torchtitan.preflight.validate_posttrain import validate_mode_fields, validate_posttrain
-from torchtitan.preflight.validate_resilience import validate_resilience
+from torchtitan.preflight.validate_resilience import (
+    check_lighthouse,
+    validate_fault_tolerance,
+    validate_resilience,
+)
 from torchtitan.preflight.validate_samples import validate_chat, validate_vlm
 from torchtitan.preflight.validate_values import validate_values
 from torchtitan.tools.logging import logger
@@ -118,6 +122,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_observability(cfg)
     validate_checkpoint(cfg, world_size)
     validate_resilience(cfg)
+    validate_fault_tolerance(cfg)  # replica groups with torchft (docs/fault_tolerance.md)
     _validate_model(cfg)
     _validate_training(cfg)
     validate_data(cfg)  # tokenized corpora and mixtures (docs/data.md)
@@ -138,6 +143,7 @@ def validate_config(cfg: JobConfig, world_size: int | None = None) -> None:
     validate_paths(cfg)  # dump folder, tokenizer, data files, checkpoint step (touch the disk)
     validate_posttrain(cfg, dims)  # training.mode, [dpo], [grpo] and their data (docs/posttrain.md)
     validate_eval(cfg)  # [eval]: tasks known, local files present, offline-readable
+    check_lighthouse(cfg)  # torchft's lighthouse answers (a network check)
 
     if cfg.training.mixed_precision_param == "bfloat16" and device_type() != "cuda":
         logger.warning(

@@ -20,6 +20,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtitan.checkpoint.manager import CheckpointManager
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.parallel_dims import ParallelDims
+from torchtitan.fault_tolerance.replica import ReplicaGroup
 from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
 from torchtitan.loss.cross_entropy import global_loss_scale, unmasked_tokens
@@ -48,6 +49,7 @@ class TrainStep:
     microbatches_drawn: int = 0  # position in this rank's data stream, for spike reports
     family: FamilyHooks = NO_HOOKS  # the model family's (after_optimizer_step)
     rollback_pending: bool = False
+    replicas: ReplicaGroup | None = None  # torchft replica groups (docs/fault_tolerance.md)
     data_iter: Iterator | None = field(default=None, init=False)
 
     @property
@@ -92,6 +94,8 @@ class TrainStep:
         for batch in batches:
             step_loss += self.runner.forward_backward(batch, self.faults.loss_factor(step))
         params = [p for part in self.runner.model_parts for p in part.parameters()]
+        if self.replicas is not None and not self.replicas.reduce_and_commit(params):
+            return step_loss, torch.zeros((), device=self.runner.device)  # discarded: redone
         # Measure the norm (max_norm 0), check it, then clip: clipping by a NaN norm would make
         # every gradient NaN and hide the parameter where the NaN appeared.
         dims = self.parallel_dims

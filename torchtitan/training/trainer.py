@@ -32,6 +32,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
 from torchtitan.eval.harness import training_evaluator
 from torchtitan.eval.validation_loss import build_validator
+from torchtitan.fault_tolerance.replica import ReplicaGroup, data_shard
 from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
 from torchtitan.lora.qlora import quantize_base
@@ -77,6 +78,9 @@ class Trainer:
         self._quantize_base()  # QLoRA: the final frozen base to NF4 (docs/lora.md)
         self._build_step()  # one training step, given every collaborator it uses
         self.hooks = self._build_hooks()  # gc, watchdog, faults, validation, ..., checkpoint
+        # torchft replica groups (docs/fault_tolerance.md): quorum, cross-group gradients
+        self.replicas = ReplicaGroup.for_trainer(self) if cfg.fault_tolerance.enable else None
+        self.stepper.replicas = self.replicas
         logger.info(
             f"{self.batch.describe()}; seq_len {cfg.training.seq_len}; "
             f"param dtype {self.param_dtype}"
@@ -132,21 +136,24 @@ class Trainer:
     def _rank_dataloader(
         self, dataset: str, path: str | None, split: str, infinite: bool
     ) -> ParallelAwareDataloader:
-        """A loader of ``dataset`` sharded by this rank's data-parallel coordinate only."""
-        cfg = self.cfg
+        """A loader of ``dataset`` sharded by this rank's data-parallel coordinate only (and,
+        for training under fault tolerance, by its replica group: docs/fault_tolerance.md)."""
+        cfg, dp = self.cfg, self.parallel_dims.get_mesh("dp")
+        vlm = dataset == "vlm"  # the vision settings come from the model's flavor
         return rank_dataloader(
             cfg.training,
             cfg.sft,
             self.tokenizer,
-            self.parallel_dims.get_mesh("dp"),
+            dp,
             dataset=dataset,
             dataset_path=path,
             split=split,
             infinite=infinite,
             seed=cfg.debug.seed,
             with_doc_ids=cfg.model.attn_mask_type == "block_causal",
-            model_args=MODELS[cfg.model.name].flavors[cfg.model.flavor]
-            if dataset == "vlm"
+            model_args=MODELS[cfg.model.name].flavors[cfg.model.flavor] if vlm else None,
+            shard=data_shard(cfg.fault_tolerance, dp.get_local_rank(), dp.size())
+            if split == "train"
             else None,
         )
 
@@ -446,12 +453,16 @@ class Trainer:
         for hook in self.hooks:
             hook.start(self.step)
         while self.step < self.cfg.training.steps:
+            if self.replicas is not None:  # the last committed step; a recovering group's peer's
+                self.step = self.replicas.start_step(self.step)
             self.step += 1
             for hook in self.hooks:  # gc, watchdog beat, test-only faults
                 hook.before_step(self.step)
             group = self.optimizer.param_groups[0]  # the schedule's lr (x1, docs/optimizers.md)
             lr = group["lr"] / group.get("lr_mult", 1.0)
             loss, grad_norm = self.train_step()
+            if self.replicas is not None and not self.replicas.committed:
+                continue  # torchft discarded the step: start_step runs it again
             if self.stepper.rollback_pending:
                 resumed = self.stepper.rollback(self.step)
                 if resumed is not None:
@@ -484,6 +495,9 @@ class Trainer:
             self.watchdog.phase(phase)
 
     def close(self) -> None:
-        """Every hook (watchdog first, then the checkpointer, whose commit of a background save
-        may fail: the rest are closed anyway), then the metrics."""
-        close_all([*self.hooks, Closing(self.metrics.close, close_rank=80)])
+        """Every hook (watchdog first, then the replica group, then the checkpointer, whose
+        commit of a background save may fail: the rest are closed anyway), then the metrics."""
+        closes = [*self.hooks, Closing(self.metrics.close, close_rank=80)]
+        if self.replicas is not None:
+            closes.append(Closing(self.replicas.close, close_rank=5))
+        close_all(closes)
