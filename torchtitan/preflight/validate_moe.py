@@ -16,7 +16,7 @@ def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
     borrows its ranks from dp_shard x cp (which it must divide). EP composes with FSDP, HSDP,
     TP, PP and CP (docs/parallelisms.md, "Expert parallel")."""
     moe = getattr(flavor_args(cfg), "moe", None)
-    for name in ("moe_aux_loss_coef", "moe_bias_update_rate"):
+    for name in ("moe_aux_loss_coef", "moe_bias_update_rate", "moe_num_experts"):
         value = getattr(cfg.model, name)
         if value != -1.0 and (value < 0 or moe is None):
             rule = "must be >= 0 (or -1: the flavor's)" if value < 0 else "needs an MoE flavor"
