@@ -20,6 +20,7 @@ from torchtitan.data.dataloader import ParallelAwareDataloader
 from torchtitan.data.tokenizer import AnyTokenizer
 from torchtitan.distributed.compile import compile_loss, set_compile_cache_dir
 from torchtitan.distributed.float8 import apply_float8
+from torchtitan.distributed.float8_grouped import apply_float8_experts
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import split_model
@@ -125,6 +126,8 @@ def build_meta_model(
             device_type=device.type,
             head=spec.parallel_plan(args).head,
         )
+    if cfg.quantize.moe.float8.enable:  # the routed experts' grouped GEMMs (docs/float8.md)
+        apply_float8_experts(model, cfg.quantize.moe.float8.emulate, device.type)
     if cfg.lora.enable:  # adapters before parallelize, so its plans see them (docs/lora.md)
         adapted = apply_lora(model, with_targets(cfg.lora, spec, args))
         logger.info(f"lora: rank {cfg.lora.rank} adapters on {len(adapted)} modules")

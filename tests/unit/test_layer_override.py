@@ -113,3 +113,25 @@ def test_hf_family_refuses_a_depth(tmp_path: Path) -> None:
     cfg = _cfg("--model.name", "hf", "--model.flavor", str(tmp_path), "--model.n_layers", "1")
     with pytest.raises(ConfigError, match="model.n_layers = 1: hf takes its depth"):
         flavor_args(cfg)
+
+
+def test_throughput_shape_rows_pass_the_preflight(capsys: pytest.CaptureFixture[str]) -> None:
+    """The benchmark rows of the published shapes (benchmarks/throughput.py; scripts/
+    gpu_check.sh runs this check in both modes): 6 shapes x (eager, compile, float8 experts),
+    each a valid config whose model trains on one 80 GB GPU (<= 3.5B parameters)."""
+    import json
+
+    from tests.script_loader import load
+
+    tp = load("benchmarks/throughput.py")
+    rows = [(label, argv) for label, argv in tp.LADDER if "--model.n_layers" in argv]
+    assert len(rows) == 18
+    base = ["--job.config_file", DEBUG, "--training.seq_len", "4096"]
+    for label, argv in rows:
+        assert tp._preflight(label, [*base, *argv]) == 0
+    out = [
+        json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")
+    ]
+    assert [r["label"] for r in out] == [label for label, _ in rows]
+    assert all(1.5 < r["params_b"] <= 3.5 for r in out), out
+    assert {r["n_layers"] for r in out} == {2, 4}
