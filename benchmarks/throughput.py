@@ -65,6 +65,20 @@ _DSV3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 _GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
 _QWEN35 = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel"]
 _QWEN35_MOE = ["--model.name", "qwen3_5", "--model.flavor", "debugmodel_moe"]
+_F8_EXPERTS = ["--quantize.moe.float8.enable"]
+
+
+def _shape_rows(name: str, shape: list[str]) -> list[tuple[str, list[str]]]:
+    """bf16 eager, compiled, and compiled with float8 experts, of a published shape at 4 blocks
+    (a row may set its own ``--model.n_layers`` after, which wins)."""
+    shape = ["--model.n_layers", "4", *shape]
+    return [
+        (name, shape),
+        (f"compile+{name}", _COMPILE + shape),
+        (f"compile+float8_experts+{name}", _COMPILE + _F8_EXPERTS + shape),
+    ]
+
+
 LADDER: list[tuple[str, list[str]]] = [
     ("eager", []),
     ("compile", _COMPILE),
@@ -99,7 +113,70 @@ LADDER: list[tuple[str, list[str]]] = [
     ("qwen3_5", _QWEN35),
     ("compile+qwen3_5", _COMPILE + _QWEN35),
     ("qwen3_5_moe", _QWEN35_MOE),
+    *[
+        row
+        for name, shape in (
+            ("qwen3_30b_a3b", ["--model.name", "qwen3", "--model.flavor", "30B-A3B"]),
+            (
+                "qwen3_235b_a22b",
+                [
+                    "--model.name",
+                    "qwen3",
+                    "--model.flavor",
+                    "235B-A22B",
+                    "--model.moe_num_experts",
+                    "32",
+                ],
+            ),  # fmt: skip
+            ("dsv2_lite_16b", ["--model.name", "deepseek_v3", "--model.flavor", "16B"]),
+            (
+                "dsv3_671b_width",
+                [
+                    "--model.name",
+                    "deepseek_v3",
+                    "--model.flavor",
+                    "671B",
+                    "--model.moe_num_experts",
+                    "16",
+                    "--model.mtp_depth",
+                    "0",
+                ],
+            ),  # fmt: skip
+            (
+                "gpt_oss_20b",
+                [
+                    "--model.name",
+                    "gpt_oss",
+                    "--model.flavor",
+                    "20b",
+                    "--model.moe_num_experts",
+                    "16",
+                ],
+            ),  # fmt: skip
+            (
+                "gpt_oss_120b",
+                [
+                    "--model.name",
+                    "gpt_oss",
+                    "--model.flavor",
+                    "120b",
+                    "--model.n_layers",
+                    "2",
+                    "--model.moe_num_experts",
+                    "64",
+                ],
+            ),  # fmt: skip
+        )
+        for row in _shape_rows(name, shape)
+    ],
 ]
+"""The published MoE shapes (docs/performance.md, "MoE at published shapes"): each at 4 blocks
+(``--model.n_layers``, every other dimension kept), bf16 eager and compiled, and compiled with
+float8 experts. Where the whole model would not train on one 80 GB GPU (parameters, gradients
+and AdamW in fp32: 16 bytes per parameter), fewer routed experts of the published width and
+top-k (``--model.moe_num_experts``): an expert GEMM keeps its shape, each expert sees more rows,
+as under expert parallel. GPT-OSS 120b differs from 20b only in depth and expert count, so its
+row keeps more experts at 2 blocks."""
 
 
 def _sync(device) -> None:  # type: ignore[no-untyped-def]
@@ -263,6 +340,33 @@ def run_one(
     }
 
 
+def _preflight(label: str, overrides: list[str]) -> int:
+    """One JSON line: whether the row's config passes the preflight (one rank; no memory fit
+    check: that needs the GPU) and the model it builds."""
+    from torchtitan.config import parse_args
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.models import MODELS, run_args
+    from torchtitan.preflight.validate import validate_config
+
+    try:
+        cfg = parse_args(overrides)
+        validate_config(cfg, world_size=1)
+    except ConfigError as e:
+        print(json.dumps({"label": label, "error": str(e)}), flush=True)
+        return 1
+    args = run_args(cfg, vocab_size=2048)
+    row = {
+        "label": label,
+        "model": f"{cfg.model.name} {cfg.model.flavor}",
+        "n_layers": args.n_layers,
+    }
+    moe = args.moe
+    row["experts"] = f"{moe.num_experts} x top-{moe.top_k}, {args.dim} x {moe.expert_dim}"
+    row["params_b"] = round(MODELS[cfg.model.name].num_params(args) / 1e9, 2)
+    print(json.dumps(row), flush=True)
+    return 0
+
+
 def run_ladder(args: argparse.Namespace, overrides: list[str]) -> int:
     """Each LADDER entry in a fresh process (compile and float8 state do not leak between them)."""
     wanted = set(filter(None, args.only.split(",")))
@@ -274,6 +378,9 @@ def run_ladder(args: argparse.Namespace, overrides: list[str]) -> int:
     rc = 0
     for label, extra in LADDER:
         if wanted and label not in wanted:
+            continue
+        if args.preflight:
+            rc |= _preflight(label, [*overrides, *extra])
             continue
         print(f"throughput ladder: {label} ...", file=sys.stderr, flush=True)
         cmd = [sys.executable, __file__, "--warmup", str(args.warmup), "--steps", str(args.steps),
@@ -308,6 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         "--ladder", action="store_true", help="run the LADDER variants, one process each"
     )
     p.add_argument("--only", default="", help="with --ladder: comma-separated labels to run")
+    p.add_argument(
+        "--preflight",
+        action="store_true",
+        help="with --ladder: only check each row's config (one JSON line each), train nothing",
+    )
     args = p.parse_args(own)
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1")

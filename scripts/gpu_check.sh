@@ -5,12 +5,16 @@
 #                                  1B shape at seq 8192 (eager, compile, compile + float8
 #                                  tensorwise / rowwise, FlexAttention document masking), the
 #                                  MoE families' debug flavors (Qwen3-MoE, DeepSeek-V3, GPT-OSS,
-#                                  Qwen3.5; eager and compile, bf16 autocast), the experts' grouped
+#                                  Qwen3.5; eager and compile, bf16 autocast), the published MoE
+#                                  shapes at 4 blocks (Qwen3-30B-A3B/235B-A22B, DeepSeek-V2-Lite,
+#                                  DeepSeek-V3's expert width, GPT-OSS 20b/120b; compiled bf16 and
+#                                  float8 experts, after their preflight), the experts' grouped
 #                                  GEMM against their loop, Qwen3.5's delta rule (fla kernel vs
 #                                  the PyTorch chunked form), then train 30 steps with async pinned
 #                                  checkpoints, resume to step 40 and generate from the checkpoint
-#   scripts/gpu_check.sh --cpu     the same sequence, small, on CPU (debug model, `async` saves):
-#                                  what a machine without a GPU (and CI) can check of this script
+#   scripts/gpu_check.sh --cpu     the same sequence, small, on CPU (debug model, `async` saves;
+#                                  the published MoE shapes through the preflight only): what a
+#                                  machine without a GPU (and CI) can check of this script
 #
 # Ends with one summary table (also in $OUT/summary.txt) and exits 1 if any step failed.
 # OUT (default outputs/gpu_check) holds each step's log; TORCHTITAN_PYTHON picks the python
@@ -38,6 +42,11 @@ if [[ $mode == gpu ]]; then
     families_only+=",qwen3_5,compile+qwen3_5,qwen3_5_moe"
     families_args=(--warmup 3 --steps "${LADDER_STEPS:-10}" -- "${debug[@]}" --training.seq_len 4096
         --training.local_batch_size 2 --training.mixed_precision_param bfloat16)
+    shapes_only=""
+    for s in qwen3_30b_a3b qwen3_235b_a22b dsv2_lite_16b dsv3_671b_width gpt_oss_20b gpt_oss_120b; do
+        shapes_only+=",compile+$s,compile+float8_experts+$s"
+    done
+    shapes_only="qwen3_30b_a3b,dsv2_lite_16b$shapes_only"
     train_args=("${debug[@]}" --checkpoint.enable --checkpoint.interval 5
         --checkpoint.async_mode async_with_pinned_mem --metrics.log_freq 10)
     steps=30 more=40 new_tokens=32
@@ -47,6 +56,7 @@ else
         --training.local_batch_size 2 --training.mixed_precision_param float32)
     families_only="qwen3_moe,deepseek_v3,gpt_oss,qwen3_5,qwen3_5_moe"
     families_args=("${ladder_args[@]}")
+    shapes_only=""
     train_args=("${debug[@]}" --training.seq_len 64 --training.local_batch_size 2
         --training.mixed_precision_param float32 --checkpoint.enable --checkpoint.interval 2
         --checkpoint.async_mode async --metrics.log_freq 2)
@@ -126,6 +136,22 @@ for line in open(sys.argv[1]):
 }
 ladder "$out/ladder.jsonl" "$ladder_only" "${ladder_args[@]}"
 ladder "$out/families.jsonl" "$families_only" "${families_args[@]}"
+
+# 3a. the published MoE shapes at 4 blocks (benchmarks/throughput.py, docs/performance.md): every
+# row's config through the preflight (both modes), then on a GPU bf16 eager / compiled and
+# compiled with float8 experts, seq 4096 x 2
+all_shapes="$(jq_py 'import runpy; m = runpy.run_path("benchmarks/throughput.py", run_name="x"); print(",".join(l for l, a in m["LADDER"] if "--model.n_layers" in a))')"
+timed "$out/shapes_preflight.jsonl" "$python" benchmarks/throughput.py --ladder --preflight \
+    --only "$all_shapes" -- "${debug[@]}" --training.seq_len 4096 --training.local_batch_size 2
+detail="$(jq_py '
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+bad = [r["label"] for r in rows if "error" in r]
+ok = rows and not bad
+print(("PASS" if ok else "FAIL") + f"|{len(rows) - len(bad)} of {len(rows)} rows valid" + (f", failed: {bad}" if bad else ""))
+' "$out/shapes_preflight.jsonl" 2>/dev/null)"
+[[ $rc == 0 && -n $detail ]] || detail="FAIL|exit $rc (see shapes_preflight.jsonl)"
+record "moe shapes preflight" "${detail%%|*}" "$secs" "${detail#*|}"
+[[ -n $shapes_only ]] && ladder "$out/shapes.jsonl" "$shapes_only" "${families_args[@]}"
 
 # 3b. the routed experts' grouped GEMM against the per-expert loop (docs/moe.md)
 timed "$out/grouped_gemm.log" "$python" benchmarks/moe_grouped_gemm.py

@@ -326,6 +326,10 @@ COMMANDS: dict[str, Mode] = {
     "--job.config_file train_configs/debug_model.toml --job.dump_folder /tmp/perf7/ovh2": Skip(
         BENCH
     ),
+    "python benchmarks/throughput.py --ladder --warmup 3 --steps 10 --only qwen3_30b_a3b,"
+    "compile+qwen3_30b_a3b,compile+float8_experts+qwen3_30b_a3b -- --job.config_file "
+    "train_configs/debug_model.toml --training.seq_len 4096 --training.local_batch_size 2 "
+    "--training.mixed_precision_param bfloat16": Skip(GPU),
     "scripts/gpu_check.sh": Skip(GPU),
     "scripts/gpu_check.sh --cpu": Skip(
         "the whole GPU check sequence on CPU: minutes (tests/integration runs it)"

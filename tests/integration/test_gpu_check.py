@@ -1,7 +1,7 @@
 """scripts/gpu_check.sh --cpu: the GPU self-check's whole sequence, small, on CPU.
 
 Environment, the gpu-marked tests (skipped here), one ladder rung, the three MoE families' debug
-flavors, the experts' grouped GEMM against their loop, 8 training steps with three
+flavors, the published MoE shapes' benchmark rows through the preflight, the experts' grouped GEMM against their loop, 8 training steps with three
 background checkpoints, a resume to step 10 and generation from the checkpoint; the summary
 table lists each with PASS and the script exits 0.
 """
@@ -42,11 +42,13 @@ def test_gpu_check_cpu_mode(tmp_path: Path) -> None:
     }
     ladders = ["ladder eager", "ladder qwen3_moe", "ladder deepseek_v3", "ladder gpt_oss"]
     ladders += ["ladder qwen3_5", "ladder qwen3_5_moe"]
-    expected = ["environment", "pytest -m gpu", *ladders, "grouped GEMM vs loop"]
+    expected = ["environment", "pytest -m gpu", *ladders, "moe shapes preflight"]
+    expected += ["grouped GEMM vs loop"]
     expected += ["delta rule fla vs chunked", "train 8 steps", "resume to 10"]
     assert list(rows) == [*expected, "generate"], list(rows)
     assert all(cols[0] == "PASS" for cols in rows.values()), rows
     assert "3 background saves committed" in summary
     assert "resumed after step 8, last step 10" in summary
     assert "skipped" in summary and "8 token ids" in summary
+    assert "18 of 18 rows valid" in summary  # 6 published MoE shapes x (eager, compile, float8)
     assert summary.strip().endswith(f"result: PASS (logs in {out})")

@@ -67,11 +67,17 @@ class Model:
     attn_backend: Literal["auto", "sdpa", "flex"] = "auto"
     """Kernel for block_causal attention: sdpa (a dense boolean mask, exact, any device), flex (FlexAttention with a block mask built once per batch; CUDA, skips blocks between documents) or auto (flex on CUDA without context parallel, else sdpa). Causal attention always uses SDPA."""
 
+    n_layers: int = -1
+    """Number of transformer blocks, every other dimension kept (e.g. ``--model.flavor 30B-A3B --model.n_layers 4``: the published expert shapes at 4 blocks, for benchmarks); -1 keeps the flavor's. DeepSeek-V3 keeps its dense first blocks' share of the depth, at least one and at least one MoE block (docs/moe.md)."""
+
     moe_aux_loss_coef: float = -1.0
     """MoE flavors: coefficient of the load-balancing auxiliary loss (0 turns it off); -1 keeps the flavor's (docs/moe.md)."""
 
     moe_bias_update_rate: float = -1.0
     """MoE flavors: step of the auxiliary-loss-free routing bias per optimizer step (0 turns it off); -1 keeps the flavor's."""
+
+    moe_num_experts: int = -1
+    """MoE flavors: routed experts per MoE layer, their width and top-k kept (a benchmark of DeepSeek-V3 671B's expert shape on one GPU: --model.n_layers 4 --model.moe_num_experts 16); -1 keeps the flavor's."""
 
     mtp_depth: int = -1
     """Multi-token prediction (deepseek_v3): number of MTP modules, each predicting one token further (0 turns it off); -1 keeps the flavor's (docs/deepseek_v3.md)."""

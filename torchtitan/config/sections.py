@@ -110,9 +110,27 @@ class DenseQuantize:
 
 
 @dataclass
+class ExpertsFloat8:
+    enable: bool = False
+    """Run the routed experts' grouped GEMMs (forward and both backward GEMMs) in float8 with rowwise power-of-2 scales, torchao's MoE recipe (docs/float8.md, "Float8 experts"); the router, shared experts and LoRA adapters stay in high precision. Needs an MoE flavor and, on CUDA, compute capability >= 8.9 (else emulate)."""
+
+    emulate: bool = False
+    """Emulate the experts' float8 GEMMs (same rounding, fp32 products, no speed-up): for checking numerics on GPUs without float8 tensor cores; always on for CPU."""
+
+
+@dataclass
+class MoEQuantize:
+    float8: ExpertsFloat8 = field(default_factory=ExpertsFloat8)
+    """Float8 training of the routed experts."""
+
+
+@dataclass
 class Quantize:
     dense: DenseQuantize = field(default_factory=DenseQuantize)
     """Quantized training of dense layers."""
+
+    moe: MoEQuantize = field(default_factory=MoEQuantize)
+    """Quantized training of the Mixture-of-Experts layers' routed experts."""
 
 
 @dataclass

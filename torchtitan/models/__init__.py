@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.common.args import mtp_overrides
+from torchtitan.models.common.args import layer_override, mtp_overrides
 from torchtitan.models.common.moe import moe_overrides
 from torchtitan.models.deepseek_v3 import deepseek_v3_spec
 from torchtitan.models.gpt_oss import gpt_oss_spec
@@ -143,23 +143,25 @@ def flavor_of(cfg: Any) -> str:
 
 
 def flavor_args(cfg: Any) -> Any:
-    """The flavor's args with a Hugging Face folder's settings (:func:`hf_folder_settings`):
-    what the preflight's model checks read (the runtime sizes are :func:`run_args`')."""
+    """The flavor's args with a Hugging Face folder's settings (:func:`hf_folder_settings`)
+    and ``model.n_layers`` / ``model.moe_*``: what the preflight's model checks read (the runtime sizes are :func:`run_args`')."""
     args = MODELS[cfg.model.name].flavors[flavor_of(cfg)]
     settings = hf_folder_settings(cfg)
-    return dataclasses.replace(args, **settings) if settings else args
+    args = dataclasses.replace(args, **settings) if settings else args
+    return moe_overrides(layer_override(args, cfg.model), cfg.model)
 
 
 def run_args(cfg: Any, vocab_size: int, attn_backend: str | None = None) -> Any:
     """The args a run builds, one home for the trainer, the preflight, the estimator and the
     planner: the flavor with the tokenizer's vocabulary and ``training.seq_len``
-    (:func:`runtime_args`), a Hugging Face folder's settings, then the ``model.moe_*`` and
-    ``model.mtp_*`` overrides."""
+    (:func:`runtime_args`), a Hugging Face folder's settings, then ``model.n_layers`` and the
+    ``model.moe_*`` and ``model.mtp_*`` overrides."""
     spec = MODELS[cfg.model.name]
     args = runtime_args(spec, flavor_of(cfg), vocab_size, cfg.training.seq_len, attn_backend)
     settings = hf_folder_settings(cfg)
     if settings:
         args = dataclasses.replace(args, **settings)
+    args = layer_override(args, cfg.model)
     return mtp_overrides(moe_overrides(args, cfg.model), cfg.model)
 
 

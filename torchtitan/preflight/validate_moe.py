@@ -3,9 +3,13 @@ docs/parallelisms.md, docs/deepseek_v3.md)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from torchtitan.config.errors import ConfigError
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.float8 import float8_unsupported_reason
 from torchtitan.distributed.parallel_dims import ParallelDims, divisors
+from torchtitan.distributed.utils import device_type
 from torchtitan.models import flavor_args
 
 _FIELD = "parallelism.expert_parallel_degree"
@@ -16,12 +20,13 @@ def validate_expert_parallel(cfg: JobConfig, dims: ParallelDims) -> None:
     borrows its ranks from dp_shard x cp (which it must divide). EP composes with FSDP, HSDP,
     TP, PP and CP (docs/parallelisms.md, "Expert parallel")."""
     moe = getattr(flavor_args(cfg), "moe", None)
-    for name in ("moe_aux_loss_coef", "moe_bias_update_rate"):
+    for name in ("moe_aux_loss_coef", "moe_bias_update_rate", "moe_num_experts"):
         value = getattr(cfg.model, name)
         if value != -1.0 and (value < 0 or moe is None):
             rule = "must be >= 0 (or -1: the flavor's)" if value < 0 else "needs an MoE flavor"
             raise ConfigError(f"model.{name}", value, rule, "remove it, or pick an MoE flavor")
     validate_mtp(cfg, dims)
+    validate_float8_experts(cfg, moe)
     ep = cfg.parallelism.expert_parallel_degree
     if ep < 1:
         raise ConfigError(
@@ -100,4 +105,52 @@ def validate_mtp(cfg: JobConfig, dims: ParallelDims) -> None:
             method,
             "multi-token prediction under context parallel runs with the allgather method",
             "use --parallelism.context_parallel_method allgather (or --model.mtp_depth 0)",
+        )
+
+
+_F8 = "quantize.moe.float8.enable"
+
+
+def validate_float8_experts(cfg: JobConfig, moe: Any) -> None:
+    """Float8 experts need an MoE flavor, widths the float8 GEMM takes (multiples of 16), a
+    device with float8 tensor cores (CUDA capability >= 8.9) unless emulated, and a
+    high-precision LoRA base (docs/float8.md, "Float8 experts")."""
+    f8 = cfg.quantize.moe.float8
+    if not f8.enable:
+        if f8.emulate:
+            raise ConfigError(
+                "quantize.moe.float8.emulate", True, f"only applies with {_F8}", f"add --{_F8}"
+            )
+        return
+    if moe is None:
+        raise ConfigError(
+            _F8,
+            True,
+            f"{cfg.model.name} {cfg.model.flavor} has no routed experts",
+            f"remove --{_F8}, or pick an MoE flavor (e.g. qwen3 debugmodel_moe)",
+        )
+    dim = flavor_args(cfg).dim
+    if dim % 16 or moe.expert_dim % 16:
+        raise ConfigError(
+            _F8,
+            True,
+            f"the float8 grouped GEMM needs widths that are multiples of 16; the experts are "
+            f"{dim} x {moe.expert_dim}",
+            f"remove --{_F8}",
+        )
+    if cfg.lora.enable and cfg.lora.quantize_base != "none":
+        raise ConfigError(
+            _F8,
+            True,
+            f"the experts cannot be both float8 and a {cfg.lora.quantize_base} base",
+            f"remove --{_F8} or --lora.quantize_base",
+        )
+    reason = float8_unsupported_reason(device_type(), emulate=f8.emulate)
+    if reason is not None:
+        raise ConfigError(
+            _F8,
+            True,
+            f"float8 experts cannot run here: {reason}",
+            f"remove --{_F8}, or add --quantize.moe.float8.emulate to check the numerics "
+            "without float8 hardware (no speed-up)",
         )

@@ -100,6 +100,8 @@ RULES: dict[str, Num] = {
     "training.steps": count(fix="use e.g. 1000"),
     "training.gc_freq": count(0, fix="use e.g. 50, or 0 for Python's automatic GC"),
     # model (MoE overrides, docs/moe.md)
+    "model.n_layers": count(special=AUTO, fix="use e.g. 4, or -1 (the flavor's depth)"),
+    "model.moe_num_experts": count(special=AUTO, fix="use e.g. 16, or -1 (the flavor's)"),
     "model.moe_aux_loss_coef": Num(low=0.0, special=AUTO, fix="use 0 (off), e.g. 0.001, or -1"),
     "model.moe_bias_update_rate": Num(low=0.0, special=AUTO, fix="use 0 (off), e.g. 0.001, or -1"),
     "model.mtp_depth": count(low=0, special=AUTO, fix="use 0 (off), 1, or -1 (the flavor's)"),

@@ -15,6 +15,7 @@ from torch import nn
 
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.float8 import apply_float8
+from torchtitan.distributed.float8_grouped import apply_float8_experts
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.parallelize import parallelize
 from torchtitan.distributed.pipeline_parallel import split_model
@@ -53,6 +54,8 @@ def build_meta_model(
             device_type=device.type,
             head=spec.parallel_plan(args).head,
         )
+    if cfg.quantize.moe.float8.enable:  # the routed experts' grouped GEMMs (docs/float8.md)
+        apply_float8_experts(model, cfg.quantize.moe.float8.emulate, device.type)
     if cfg.lora.enable:  # adapters before parallelize, so its plans see them (docs/lora.md)
         adapted = apply_lora(model, with_targets(cfg.lora, spec, args))
         logger.info(f"lora: rank {cfg.lora.rank} adapters on {len(adapted)} modules")

@@ -13,7 +13,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
+
+from torchtitan.config.errors import ConfigError
+
+A = TypeVar("A")
 
 
 @dataclass
@@ -63,6 +67,12 @@ class DecoderArgsBase(abc.ABC):
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    def with_n_layers(self, n: int) -> Any:
+        """These args at depth ``n``, every other dimension kept (``model.n_layers``,
+        docs/moe.md, "Published shapes at a few layers"). A family whose per-block fields
+        depend on the depth (layer kinds, dense prefix, windowed blocks) overrides it."""
+        return dataclasses.replace(self, n_layers=n)
 
     @property
     def head_dim(self) -> int:
@@ -137,3 +147,27 @@ def mtp_overrides(args: Any, model_cfg: Any) -> Any:
     if not changes or not hasattr(args, "mtp_depth"):
         return args
     return dataclasses.replace(args, **changes)
+
+
+def cycle_layers(kinds: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+    """A per-block tuple at depth ``n``: its first ``n`` entries, repeated from the start where
+    ``n`` is deeper (the published interleavings are periodic)."""
+    return tuple(kinds[i % len(kinds)] for i in range(n)) if kinds else kinds
+
+
+def layer_override(args: Any, model_cfg: Any) -> Any:
+    """``args`` at ``model.n_layers`` blocks where it is set (>= 1; -1 keeps the flavor's),
+    through the family's ``with_n_layers``; a family without one (the hf family, whose depth
+    is its folder's) refuses it with a ``ConfigError``."""
+    n = getattr(model_cfg, "n_layers", -1)
+    if n == -1 or n == getattr(args, "n_layers", None):
+        return args
+    change = getattr(args, "with_n_layers", None)
+    if not callable(change):
+        raise ConfigError(
+            "model.n_layers",
+            n,
+            f"{model_cfg.name} takes its depth from its folder's config.json",
+            "remove --model.n_layers (or edit num_hidden_layers in a copy of the folder)",
+        )
+    return change(n)

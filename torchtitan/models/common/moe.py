@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from torchtitan.config.errors import ConfigError
 from torchtitan.distributed.expert_parallel import run_experts
 from torchtitan.models.common.moe_experts import Experts, SharedExpert, grouped_mm_supported
 from torchtitan.models.common.moe_router import MoEArgs, Router
@@ -218,17 +219,29 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 def moe_overrides(args: Any, model_cfg: Any) -> Any:
-    """``args`` with ``model.moe_aux_loss_coef`` / ``model.moe_bias_update_rate`` applied to its
-    ``moe`` field where they are set (>= 0); preflight refuses them for a model without one."""
+    """``args`` with ``model.moe_aux_loss_coef`` / ``model.moe_bias_update_rate`` /
+    ``model.moe_num_experts`` applied to its ``moe`` field where they are set (>= 0); preflight
+    refuses them for a model without one. An expert count the routing cannot use (groups,
+    top-k) is a ``ConfigError``."""
     moe = getattr(args, "moe", None)
-    changes = {
+    changes: dict[str, Any] = {
         "aux_loss_coef": model_cfg.moe_aux_loss_coef,
         "bias_update_rate": model_cfg.moe_bias_update_rate,
+        "num_experts": getattr(model_cfg, "moe_num_experts", -1),
     }
     changes = {k: v for k, v in changes.items() if v >= 0}
     if moe is None or not changes:
         return args
-    return dataclasses.replace(args, moe=dataclasses.replace(moe, **changes))
+    try:
+        moe = dataclasses.replace(moe, **changes)
+    except ValueError as e:
+        raise ConfigError(
+            "model.moe_num_experts",
+            changes.get("num_experts"),
+            f"the flavor's routing cannot use it ({e})",
+            f"use a multiple of n_groups={moe.n_groups} with top_k={moe.top_k} within reach",
+        ) from None
+    return dataclasses.replace(args, moe=moe)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

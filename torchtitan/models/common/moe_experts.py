@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.expert_parallel import scale_grad
+from torchtitan.distributed.float8_grouped import float8_grouped_mm
 from torchtitan.models.common.feed_forward import FeedForward
 
 __all__ = [
@@ -100,11 +101,16 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool):
+def expert_matmul(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool, float8: str = "off"
+):
     """Rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert ``e``) times ``w[e]``, in
-    :func:`compute_dtype` (under autocast both are cast to its dtype first)."""
+    :func:`compute_dtype` (under autocast both are cast to its dtype first); ``float8``
+    ``native`` / ``emulated``: the rowwise float8 grouped GEMM (``distributed/float8_grouped.py``)."""
     dtype = compute_dtype(x)
     x, w = x.to(dtype), w.to(dtype)
+    if float8 != "off":
+        return float8_grouped_mm(x, w, counts, emulate=float8 == "emulated")
     if grouped:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x, w, offs=offs)
@@ -125,11 +131,14 @@ class StackedExperts(nn.Module):
     """None: decided by :func:`grouped_mm_supported`; True/False forces a path."""
     grad_scale: float
     """Gradient factor of expert-parallel (DTensor) weights: 1 / ep."""
+    float8: str = "off"
+    """``off``, ``native`` or ``emulated``: the projections' GEMMs in float8
+    (``distributed/float8_grouped.py: apply_float8_experts``; adapters stay in high precision)."""
 
     def project(self, x: torch.Tensor, name: str, counts: torch.Tensor, grouped: bool):
         """Rows of ``x`` (sorted by expert) times their expert's ``name`` matrix."""
         w = local_weight(getattr(self, name), self.grad_scale)
-        return expert_matmul(x, w, counts, grouped)
+        return expert_matmul(x, w, counts, grouped, self.float8)
 
     def _grouped(self, x: torch.Tensor) -> bool:
         if self.use_grouped_mm is not None:
@@ -141,6 +150,8 @@ class StackedExperts(nn.Module):
     def traceable(self, x: torch.Tensor) -> bool:
         """Whether torch.compile can trace the forward on rows like ``x``: the grouped GEMM
         (the loop needs the split sizes on the host) with a meta kernel for the dtype."""
+        if self.float8 != "off":  # the emulation multiplies in fp32 (no meta kernel)
+            return self.float8 == "native"
         return self._grouped(x) and grouped_mm_traceable(compute_dtype(x))
 
 

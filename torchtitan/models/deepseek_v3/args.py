@@ -17,7 +17,7 @@ differs from a Llama-style decoder in four places:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase
@@ -93,6 +93,15 @@ class DeepSeekV3Args(DecoderArgsBase):
             raise ValueError("mtp_depth and mtp_loss_weight must be >= 0")
         if self.moe is None and self.n_dense_layers < self.n_layers:
             raise ValueError("blocks from n_dense_layers on are MoE: set moe")
+
+    def with_n_layers(self, n: int) -> DeepSeekV3Args:
+        """At depth ``n``: the dense prefix keeps its share of the depth, rounded down, but at
+        least one block where the flavor has one and at most ``n - 1``, so at least one MoE
+        block remains (671B's 3 of 61 and 16B's 1 of 27 both become 1 of 4; docs/moe.md)."""
+        dense = self.n_dense_layers
+        if dense and self.moe is not None:
+            dense = min(max(1, dense * n // self.n_layers), n - 1)
+        return replace(self, n_layers=n, n_dense_layers=dense)
 
     @property
     def head_dim(self) -> int:

@@ -10,9 +10,9 @@ clamped SwiGLU (``swiglu_limit``, ``swiglu_alpha``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase
+from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase, cycle_layers
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.common.rope import YarnScaling
 
@@ -64,6 +64,11 @@ class GptOssArgs(DecoderArgsBase):
             )
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window} must be >= 1")
+
+    def with_n_layers(self, n: int) -> GptOssArgs:
+        """At depth ``n``: the sliding/full alternation continued (or cut)."""
+        types = None if self.layer_types is None else cycle_layers(self.layer_types, n)
+        return replace(self, n_layers=n, layer_types=types)
 
     @property
     def hidden_dim(self) -> int:

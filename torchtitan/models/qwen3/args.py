@@ -64,6 +64,19 @@ class Qwen3Args(DecoderArgsBase):
         if any(not 0 <= i < self.n_layers for i in self.window_layers or ()):
             raise ValueError(f"window_layers={self.window_layers} must be block ids")
 
+    def with_n_layers(self, n: int) -> Qwen3Args:
+        """At depth ``n``: the MoE and windowed block ids beyond it dropped."""
+
+        def keep(ids: tuple[int, ...] | None) -> tuple[int, ...] | None:
+            return None if ids is None else tuple(i for i in ids if i < n)
+
+        return replace(
+            self,
+            n_layers=n,
+            moe_layers=keep(self.moe_layers),
+            window_layers=keep(self.window_layers),
+        )
+
     def window(self, layer_id: int) -> int | None:
         """Block ``layer_id``'s sliding window, None for full causal attention."""
         if self.window_layers is not None and layer_id not in self.window_layers:

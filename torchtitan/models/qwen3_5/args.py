@@ -17,7 +17,7 @@ from functools import partial
 from typing import ClassVar
 
 from torchtitan.config.errors import ConfigError
-from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase
+from torchtitan.models.common.args import DEBUG_SHAPE, DecoderArgsBase, cycle_layers
 from torchtitan.models.common.moe import MoEArgs
 from torchtitan.models.qwen3_5.delta_rule import fla_available, fla_problem
 
@@ -73,6 +73,10 @@ class Qwen35Args(DecoderArgsBase):
         if problem is not None:
             raise problem
         super().__post_init__()
+
+    def with_n_layers(self, n: int) -> Qwen35Args:
+        """At depth ``n``: the linear/full interleaving continued (or cut)."""
+        return replace(self, n_layers=n, layer_types=cycle_layers(self.layer_types, n))
 
     def shape_problem(self) -> ConfigError | None:
         """What is wrong with the Qwen3.5-specific fields (named as in ``config.json``), with
