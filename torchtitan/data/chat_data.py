@@ -101,7 +101,32 @@ def _rows(
     return rows
 
 
-class ChatDataset(IterableDataset, Stateful):
+class StridedRows:
+    """A dataset's walk over its ``n`` rows for one data-parallel rank: round ``r`` gives rank
+    ``dp_rank`` global row ``r * dp_world_size + dp_rank`` (modulo ``n`` when ``infinite``);
+    the position saved is the first global row of the next round, the same on every rank, and
+    a loaded position applies when iteration starts (``_resume``)."""
+
+    dp_rank: int
+    dp_world_size: int
+    infinite: bool
+    _next: int = 0  # first global row of the next round
+    _resume: int | None = None  # a loaded position, applied when iteration starts
+
+    def _rank_rows(self, n: int) -> Iterator[int]:
+        self._next, self._resume = self._resume or 0, None  # a new iter() starts at 0
+        while self.infinite or self._next < n:
+            g = self._next + self.dp_rank
+            self._next += self.dp_world_size  # every rank saves the same round boundary
+            if not self.infinite and g >= n:
+                return
+            yield g % n
+
+    def _position(self) -> int:
+        return self._next if self._resume is None else self._resume
+
+
+class ChatDataset(StridedRows, IterableDataset, Stateful):
     """Rows of ``(inputs, labels)`` (``+ doc_ids`` with ``with_doc_ids``) of one data-parallel
     rank; see the module docstring. ``infinite=False`` makes one pass (validation)."""
 
@@ -138,8 +163,7 @@ class ChatDataset(IterableDataset, Stateful):
             f"longer than seq_len {seq_len}) in {len(self._rows)} {packing}ed rows; "
             f"{trained:,} trained tokens per epoch"
         )
-        self._next = 0  # first global row of the next round
-        self._resume: int | None = None  # a loaded position, applied when iteration starts
+        self._next, self._resume = 0, None
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -161,17 +185,11 @@ class ChatDataset(IterableDataset, Stateful):
         return (*out, torch.from_numpy(doc_ids)) if self.with_doc_ids else out
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        n = len(self._rows)
-        self._next, self._resume = self._resume or 0, None  # a new iter() starts at 0
-        while self.infinite or self._next < n:
-            g = self._next + self.dp_rank
-            self._next += self.dp_world_size  # every rank saves the same round boundary
-            if not self.infinite and g >= n:
-                return
-            yield self.row(g % n)
+        for g in self._rank_rows(len(self._rows)):
+            yield self.row(g)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_row": self._next if self._resume is None else self._resume}
+        return {"next_row": self._position()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "next_row" not in state_dict:

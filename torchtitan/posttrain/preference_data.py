@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import Stateful
 
+from torchtitan.data.chat_data import StridedRows
 from torchtitan.data.chat_template import ChatTokenizer, Message, tokenize_conversation
 from torchtitan.data.checks import DataError
 from torchtitan.loss.cross_entropy import IGNORE_INDEX
@@ -104,7 +105,7 @@ def _pad(side: Side, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Ten
     return torch.from_numpy(inputs), torch.from_numpy(labels)
 
 
-class PreferenceDataset(IterableDataset, Stateful):
+class PreferenceDataset(StridedRows, IterableDataset, Stateful):
     """Rows ``(chosen_inputs, chosen_labels, rejected_inputs, rejected_labels)`` of one
     data-parallel rank, each ``[seq_len]``; see the module docstring."""
 
@@ -144,8 +145,7 @@ class PreferenceDataset(IterableDataset, Stateful):
                 ) from None
         if not self.pairs:
             raise DataError(field, str(path), "no preference pair", "add records", self.path)
-        self._next = 0
-        self._resume: int | None = None
+        self._next, self._resume = 0, None
 
     def __len__(self) -> int:
         return len(self.pairs)
@@ -158,17 +158,11 @@ class PreferenceDataset(IterableDataset, Stateful):
         )
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        n = len(self.pairs)
-        self._next, self._resume = self._resume or 0, None
-        while self.infinite or self._next < n:
-            g = self._next + self.dp_rank
-            self._next += self.dp_world_size
-            if not self.infinite and g >= n:
-                return
-            yield self.row(g % n)
+        for g in self._rank_rows(len(self.pairs)):
+            yield self.row(g)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"next_pair": self._next if self._resume is None else self._resume}
+        return {"next_pair": self._position()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume = int(state_dict["next_pair"])
