@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -122,8 +122,29 @@ class StridedRows:
                 return
             yield g % n
 
-    def _position(self) -> int:
-        return self._next if self._resume is None else self._resume
+    state_key = "next_row"
+    """The position's key in ``state_dict``."""
+
+    if TYPE_CHECKING:  # each dataset's own: its number of rows, global row ``index``
+
+        def __len__(self) -> int: ...
+
+        def row(self, index: int) -> tuple[torch.Tensor, ...]: ...
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        for g in self._rank_rows(len(self)):
+            yield self.row(g)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {self.state_key: self._next if self._resume is None else self._resume}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.state_key not in state_dict:
+            name = type(self).__name__
+            raise ValueError(
+                f"{name} state is missing {self.state_key!r} (got {sorted(state_dict)})"
+            )
+        self._resume = int(state_dict[self.state_key])
 
 
 class ChatDataset(StridedRows, IterableDataset, Stateful):
@@ -183,15 +204,3 @@ class ChatDataset(StridedRows, IterableDataset, Stateful):
         doc_ids[pos:] = len(self._rows[index])  # the padding is a document of its own
         out = (torch.from_numpy(inputs), torch.from_numpy(labels))
         return (*out, torch.from_numpy(doc_ids)) if self.with_doc_ids else out
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        for g in self._rank_rows(len(self._rows)):
-            yield self.row(g)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"next_row": self._position()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "next_row" not in state_dict:
-            raise ValueError(f"chat dataset state is missing 'next_row' (got {sorted(state_dict)})")
-        self._resume = int(state_dict["next_row"])

@@ -109,6 +109,8 @@ class PreferenceDataset(StridedRows, IterableDataset, Stateful):
     """Rows ``(chosen_inputs, chosen_labels, rejected_inputs, rejected_labels)`` of one
     data-parallel rank, each ``[seq_len]``; see the module docstring."""
 
+    state_key = "next_pair"
+
     def __init__(
         self,
         path: str | Path,
@@ -156,16 +158,6 @@ class PreferenceDataset(StridedRows, IterableDataset, Stateful):
             *_pad(chosen, self.seq_len, self.pad_id),
             *_pad(rejected, self.seq_len, self.pad_id),
         )
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        for g in self._rank_rows(len(self.pairs)):
-            yield self.row(g)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"next_pair": self._position()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resume = int(state_dict["next_pair"])
 
 
 def preference_batches(
