@@ -33,6 +33,7 @@ import pickle
 import signal
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,17 +47,18 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torchtitan.checkpoint import hf_io, safety
 from torchtitan.checkpoint import storage as io
 from torchtitan.checkpoint.state import (
+    dataloader_target,
     load_model_state_dict,
     load_optimizer_state_dict,
     model_state_dict,
     optimizer_state_dict,
     rng_state,
+    saved_blank,
     set_rng_state,
 )
 from torchtitan.checkpoint.trust import (
     SafeFileSystemReader,
     SafeLoadPlanner,
-    UntrustedCheckpointError,
     decode_state,
     encode_state,
 )
@@ -296,17 +298,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         metadata = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
         saved = set(metadata)
-
-        def blank(key: str) -> torch.Tensor:  # a uint8 tensor of the saved entry's size
-            size = getattr(metadata[key], "size", None)
-            if size is None:  # a pickled object: written before the trust model
-                raise UntrustedCheckpointError(
-                    f"checkpoint {path}: {key} is a pickled object (a checkpoint written by an "
-                    "older version), which this version does not unpickle (docs/checkpoint.md, "
-                    "'Trust model'); load its weights with checkpoint.initial_load_path, which "
-                    "loads only the model by default"
-                )
-            return torch.empty(size, dtype=torch.uint8)
+        blank = partial(saved_blank, metadata, path)
 
         components = {c for c in components if any(k.startswith(f"{c}.") or k == c for k in saved)}
         sd: dict[str, Any] = {}
@@ -319,15 +311,7 @@ class CheckpointManager:
             if name in components:
                 sd[name] = blank(name)
         if "dataloader" in components:
-            keys = sorted(k.split(".", 1)[1] for k in saved if k.startswith("dataloader.dp_rank_"))
-            own = next((k for k in self.dataloader.state_dict() if k.startswith("dp_rank_")), "")
-            # Another data-parallel size: any rank's position is the same global position
-            # (window sharding; the dataloader refuses it otherwise).
-            key = own if own in keys else keys[0]
-            sd["dataloader"] = {
-                key: blank(f"dataloader.{key}"),
-                "dp_world_size": torch.tensor(0),
-            }
+            sd["dataloader"] = dataloader_target(saved, self.dataloader.state_dict(), blank)
         for name in components & set(self.extra_state):
             sd[name] = self.extra_state[name].state_dict()
         if "rng" in components:

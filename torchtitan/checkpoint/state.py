@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchtitan.checkpoint.trust import decode_state, encode_state
+from torchtitan.checkpoint.trust import UntrustedCheckpointError, decode_state, encode_state
 from torchtitan.distributed.utils import device_type
 
 __all__ = [
@@ -142,3 +142,29 @@ def set_rng_state(blob: torch.Tensor) -> None:
     random.setstate(state["python"])
     if "cuda" in state and device_type() == "cuda":
         torch.cuda.set_rng_state_all([_bytes_tensor(b) for b in state["cuda"]])
+
+
+def saved_blank(metadata: Any, path: Any, key: str) -> torch.Tensor:
+    """A uint8 tensor of the size of the saved bytes entry ``key`` (what DCP loads it into);
+    a pickled object (a checkpoint written before the trust model) is refused."""
+    size = getattr(metadata[key], "size", None)
+    if size is None:
+        raise UntrustedCheckpointError(
+            f"checkpoint {path}: {key} is a pickled object (a checkpoint written by an "
+            "older version), which this version does not unpickle (docs/checkpoint.md, "
+            "'Trust model'); load its weights with checkpoint.initial_load_path, which "
+            "loads only the model by default"
+        )
+    return torch.empty(size, dtype=torch.uint8)
+
+
+def dataloader_target(
+    saved: set[str], own_state: dict[str, Any], blank: Any
+) -> dict[str, torch.Tensor]:
+    """What DCP loads the data loader's position into: this rank's saved entry, or under
+    another data-parallel size any rank's (the same global position under window sharding;
+    the loader refuses it otherwise)."""
+    keys = sorted(k.split(".", 1)[1] for k in saved if k.startswith("dataloader.dp_rank_"))
+    own = next((k for k in own_state if k.startswith("dp_rank_")), "")
+    key = own if own in keys else keys[0]
+    return {key: blank(f"dataloader.{key}"), "dp_world_size": torch.tensor(0)}

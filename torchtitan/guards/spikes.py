@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.config.job_config import Training
 from torchtitan.distributed.utils import device_type
 from torchtitan.tools.logging import logger
 
@@ -128,6 +129,19 @@ class StepGuard:
         self.events: list[dict[str, float | int | str]] = []
         self._skip_batches: dict[int, int] = {}
         self._rollbacks: dict[int, int] = {}
+
+    @classmethod
+    def from_config(cls, training: Training, rank: int) -> StepGuard:
+        """The guard ``[training]``'s spike fields ask for."""
+        t = training
+        return cls(
+            t.spike_policy,
+            window=t.spike_window,
+            threshold=t.spike_threshold,
+            warmup=t.spike_warmup,
+            max_consecutive_skips=t.max_consecutive_skips,
+            rank=rank,
+        )
 
     def check(self, step: int, loss: float, position: str) -> str:
         """``"step"`` (go to the optimizer), ``"skip"`` or ``"rollback"`` for a finite loss."""

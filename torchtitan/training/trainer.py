@@ -337,20 +337,13 @@ class Trainer:
             else None
         )
         self.profiling = Profiling(cfg.job.dump_folder, cfg.profiling, self.rank, self.device.type)
-        self._build_fault_tolerance()
+        self._build_guards()
 
-    def _build_fault_tolerance(self) -> None:
+    def _build_guards(self) -> None:
         """Spike policy and skip limit, hang watchdog, test-only fault injection
         (docs/observability.md)."""
-        t, ft = self.cfg.training, self.cfg.fault_tolerance
-        self.step_guard = StepGuard(
-            t.spike_policy,
-            window=t.spike_window,
-            threshold=t.spike_threshold,
-            warmup=t.spike_warmup,
-            max_consecutive_skips=t.max_consecutive_skips,
-            rank=self.rank,
-        )
+        ft = self.cfg.fault_tolerance
+        self.step_guard = StepGuard.from_config(self.cfg.training, self.rank)
         self.watchdog = (
             Watchdog(
                 ft.watchdog_timeout_seconds,
