@@ -100,3 +100,24 @@ def test_modes_and_datasets_it_does_not_shard_are_refused() -> None:
     for dataset in ("chat", "vlm"):
         with pytest.raises(ConfigError, match=f"training.dataset = {dataset!r}|{dataset}"):
             validate_fault_tolerance(cfg(dataset=dataset))
+
+
+def test_missing_torchft_is_one_config_error(monkeypatch) -> None:  # noqa: ANN001
+    """Without torchft installed (the GPU image's torch 2.11 venv has none) the run is refused
+    before any process group, naming the package and the extra."""
+    import importlib.util
+
+    import pytest
+
+    from torchtitan.config.errors import ConfigError
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.preflight.validate_resilience import validate_fault_tolerance
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a)
+    )
+    cfg = JobConfig()
+    cfg.fault_tolerance.enable, cfg.fault_tolerance.group_size = True, 2
+    with pytest.raises(ConfigError, match="torchft"):
+        validate_fault_tolerance(cfg)

@@ -5,6 +5,7 @@ lighthouse that answers."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import time
@@ -73,6 +74,13 @@ def validate_fault_tolerance(cfg: JobConfig) -> None:
     ft = cfg.fault_tolerance
     if not ft.enable:
         return
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(
+            "fault_tolerance.enable",
+            True,
+            "replica groups run on torchft, which this environment does not have",
+            "pip install 'torchft>=0.2' (the project's ft extra), or turn fault tolerance off",
+        )
     if ft.group_size < 2:
         raise ConfigError(
             "fault_tolerance.group_size",
