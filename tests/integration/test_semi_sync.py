@@ -148,3 +148,62 @@ def _run_alone() -> list[Any]:
 def _records(folder: Path) -> list[dict]:
     lines = (folder / "metrics" / "rank_0.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def _launch(tmp_path: Path, name: str, steps: int, *args: str) -> list[Path]:
+    """Two replica groups of one rank through run_train.sh for ``steps`` steps; their dump
+    folders."""
+    from tests.ft_helpers import Lighthouse, Replica
+
+    folder = tmp_path / name
+    folder.mkdir()
+    lighthouse = Lighthouse(folder, min_replicas=2)  # both groups from step 1
+    run_args = ("--training.steps", str(steps), "--fault_tolerance.min_replicas", "2", *args)
+    replicas = [Replica(folder, g, 2, 1, lighthouse.address, *run_args) for g in range(2)]
+    try:
+        for r in replicas:
+            assert r.wait(600) == 0, r.text()[-4000:]
+    finally:
+        for r in replicas:
+            if r.proc.poll() is None:
+                r.sigkill()
+        lighthouse.kill()
+    return [r.folder for r in replicas]
+
+
+@pytest.mark.slow
+def test_bytes_per_step_fall_by_the_interval(tmp_path: Path) -> None:
+    """debugmodel, 2 groups x 1 rank, 40 steps: synchronous, DiLoCo and LocalSGD every 4."""
+    steps, every = 40, 4
+    runs = {
+        "synchronous": _launch(tmp_path, "sync", steps),
+        "diloco": _launch(
+            tmp_path,
+            "diloco",
+            steps,
+            "--fault_tolerance.semi_sync",
+            "diloco",
+            "--fault_tolerance.sync_every",
+            str(every),
+        ),  # fmt: skip
+        "local_sgd": _launch(
+            tmp_path,
+            "local_sgd",
+            steps,
+            "--fault_tolerance.semi_sync",
+            "local_sgd",
+            "--fault_tolerance.sync_every",
+            str(every),
+        ),  # fmt: skip
+    }
+    found = {}
+    for name, folders in runs.items():
+        records = _records(folders[0])
+        assert [r["step"] for r in records] == list(range(1, steps + 1))  # every step here
+        tail = [r["loss"] for r in records[-5:]]
+        found[name] = (records[-1]["ft/bytes_total"] / steps, sum(tail) / len(tail))
+    print(f"semi-sync, 2 groups x 1 rank, {steps} steps: (bytes/step, loss last 5): {found}")
+    sync_bytes = found["synchronous"][0]
+    for name in ("diloco", "local_sgd"):
+        assert found[name][0] == sync_bytes / every, (name, found)
+        assert found[name][1] < found["synchronous"][1] + 1.0  # it trains (numbers in docs)
