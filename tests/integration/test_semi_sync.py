@@ -207,3 +207,44 @@ def test_bytes_per_step_fall_by_the_interval(tmp_path: Path) -> None:
     for name in ("diloco", "local_sgd"):
         assert found[name][0] == sync_bytes / every, (name, found)
         assert found[name][1] < found["synchronous"][1] + 1.0  # it trains (numbers in docs)
+
+
+@pytest.mark.slow
+def test_diloco_group_killed_and_relaunched_rejoins(tmp_path: Path) -> None:
+    """DiLoCo every 2 steps, 2 groups x 1 rank: the last group is SIGKILLed at its step 4 and
+    relaunched; the survivor goes on; the relaunched group receives its peer's state at a
+    sync's quorum, and at the next checkpoint both (a sync step) hold the same weights bitwise
+    (the inner optimizers' moments are each group's own, so only the model is compared)."""
+    import torch
+
+    from tests.checkpoint_helpers import read_checkpoint
+    from tests.ft_helpers import RECOVERED, Lighthouse, Replica, wait_for
+    from tests.integration.test_fault_tolerance import PACE, _common_step
+
+    lighthouse = Lighthouse(tmp_path)
+    args = ("--training.steps", "1000", "--checkpoint.enable", "--checkpoint.interval", "4")
+    args += ("--fault_tolerance.timeout_seconds", "10", "--fault_tolerance.semi_sync", "diloco")
+    args += ("--fault_tolerance.sync_every", "2")
+    replicas = [Replica(tmp_path, g, 2, 1, lighthouse.address, *args, fault=PACE) for g in range(2)]
+    victim, survivor = replicas[1], replicas[0]
+    try:
+        wait_for(lambda: victim.last_step() >= 4, 300, "the victim's step 4", replicas)
+        at_kill = survivor.last_step()
+        victim.sigkill()
+        victim.start()
+        wait_for(lambda: survivor.last_step() > at_kill + 2, 120, "survivor steps", replicas)
+        wait_for(
+            lambda: RECOVERED.search(victim.log.read_text()) is not None, 300, "recovery", replicas
+        )
+        after = int(RECOVERED.findall(victim.log.read_text())[0][0])
+        wait_for(lambda: _common_step(replicas, after) > 0, 300, "a common checkpoint", replicas)
+        step = _common_step(replicas, after)
+    finally:
+        for r in replicas:
+            if r.proc.poll() is None:
+                r.sigkill()
+        lighthouse.kill()
+    states = [read_checkpoint(r.folder / "checkpoint" / f"step-{step}") for r in replicas]
+    models = [{k: v for k, v in s.items() if k.startswith("model.")} for s in states]
+    assert set(models[0]) == set(models[1]) and len(models[0]) > 10
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0]), step

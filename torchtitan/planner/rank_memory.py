@@ -140,7 +140,7 @@ class RankMemory:
             self.cfg.fault_tolerance, self.parameters, self.grads_all, self.optimizer_states
         )
         if ft is not None:  # recovery buffer, DiLoCo's outer state (fault_tolerance/memory.py)
-            self.optimizer_states += ft.held
+            self.optimizer_states += ft.held if steady_state else 0  # made at the first sync
             self.host, self.ft_sync = ft.host, ft.sync
             self.notes.append(ft.note)
         if self.offload:  # shards, their gradients and the optimizer live on the host
