@@ -609,6 +609,29 @@ CASES: list[tuple[str, list[str], int, str, str]] = [
         "fault_tolerance.lighthouse",
         "no torchft lighthouse answers there within 1 s. Fix: start one with `torchft_lighthouse",
     ),
+    (
+        "ft-diloco-interval-0",
+        ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
+        + ["--fault_tolerance.semi_sync", "diloco", "--fault_tolerance.sync_every", "0"],
+        1,
+        "fault_tolerance.sync_every",
+        "must be an integer >= 1",
+    ),
+    (
+        "ft-semi-sync-without-ft",
+        ["--fault_tolerance.semi_sync", "local_sgd"],
+        1,
+        "fault_tolerance.semi_sync",
+        "semi-synchronous training syncs torchft replica groups",
+    ),
+    (
+        "ft-outer-lr-without-diloco",
+        ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2"]
+        + ["--fault_tolerance.semi_sync", "local_sgd", "--fault_tolerance.outer_lr", "0.7"],
+        1,
+        "fault_tolerance.outer_lr",
+        "DiLoCo's outer optimizer is used only with semi_sync diloco",
+    ),
 ]
 
 

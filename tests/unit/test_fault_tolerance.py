@@ -75,7 +75,7 @@ def test_explain_names_the_layout_traffic_and_memory() -> None:
     assert "this job is replica group 1 of 3" in text and "(6 data shards" in text, text
     assert f"all-reduces its {shard:,.1f} MiB gradient shard" in text, text
     assert f"~{2 * 2 / 3 * shard:,.1f} MiB sent per step" in text, text
-    assert f"(~{3 * shard:,.1f} MiB)" in text, text
+    assert f"recovery buffer {3 * shard:,.1f} MiB (host)" in text, text
 
 
 def test_modes_and_datasets_it_does_not_shard_are_refused() -> None:

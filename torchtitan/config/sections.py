@@ -282,6 +282,18 @@ class FaultTolerance:
     quorum_retries: int = 3
     """Times a failed quorum request is retried before the job stops: a lighthouse restarted within them is survived."""
 
+    semi_sync: Literal["none", "local_sgd", "diloco"] = "none"
+    """Semi-synchronous training across the replica groups (docs/fault_tolerance.md): none averages gradients every step; local_sgd steps each group alone and averages the parameters every sync_every steps; diloco averages the pseudo-gradients (last synced weights minus local weights) every sync_every steps and applies them with an outer Nesterov SGD (outer_lr, outer_momentum). Built on torchft's LocalSGD and DiLoCo."""
+
+    sync_every: int = 1
+    """Steps between two syncs of the replica groups under semi_sync local_sgd or diloco."""
+
+    outer_lr: float | None = None
+    """DiLoCo's outer SGD learning rate (semi_sync diloco only; unset means 0.7, the DiLoCo paper's)."""
+
+    outer_momentum: float | None = None
+    """DiLoCo's outer Nesterov momentum (semi_sync diloco only; unset means 0.9, the DiLoCo paper's; 0 is plain SGD)."""
+
 
 @dataclass
 class Eval:

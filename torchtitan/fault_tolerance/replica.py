@@ -6,6 +6,8 @@ step (docs/fault_tolerance.md, "Seams"):
 - ``reduce_and_commit(params)`` after the backward: averages the gradients across the groups
   (rank ``r`` of each group with rank ``r`` of the others, so any FSDP/TP layout inside a group
   works) and asks the Manager whether the step may be applied; ``False`` discards it;
+- ``after_update(step)`` after the optimizer step: under ``semi_sync`` (semi_sync.py) the two
+  calls above do nothing, and every ``sync_every`` steps this one syncs the groups;
 - ``close()`` at the end.
 """
 
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from torchtitan.config.sections import FaultTolerance
+from torchtitan.fault_tolerance.semi_sync import SemiSync
 from torchtitan.guards.spikes import TrainingAborted
 from torchtitan.tools.logging import logger
 
@@ -106,12 +109,41 @@ class ReplicaGroup:
             max_retries=3,
             quorum_retries=ft.quorum_retries,
         )
-        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        # the Manager counts commits: one per step, or one per sync under semi_sync
+        self.sync_every = ft.sync_every if ft.semi_sync != "none" else 1
+        self.manager.load_state_dict({"step": step // self.sync_every, "batches_committed": 0})
+        self.bytes_sent, self._logged = 0, (0, step)  # cross-group all-reduce bytes, last log
+        self._count_bytes()
+        self._step, self._peer_step = step, None  # this group's step; a peer's, on recovery
+        self.semi = None
+        if ft.semi_sync != "none":
+            self.semi = SemiSync(ft, self.manager, model_parts, optimizer)
+        sync = "every step" if self.semi is None else f"{ft.semi_sync} every {ft.sync_every}"
         logger.info(
             f"fault tolerance: replica group {ft.replica_id} of {ft.group_size}, lighthouse "
             f"{ft.lighthouse or os.environ.get('TORCHFT_LIGHTHOUSE', '')}, min replicas "
-            f"{ft.min_replicas}"
+            f"{ft.min_replicas}, groups sync {sync}"
         )
+
+    def _count_bytes(self) -> None:
+        """Count the bytes of every cross-group all-reduce (this rank's tensors), torchft's
+        LocalSGD/DiLoCo ones included: they call the Manager's ``allreduce``."""
+        allreduce = self.manager.allreduce
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self.manager.errored() is None:
+                self.bytes_sent += tensor.numel() * tensor.element_size()
+            return allreduce(tensor, *args, **kwargs)
+
+        self.manager.allreduce = counted  # type: ignore[method-assign]
+
+    def fields(self) -> tuple[dict[str, float | int | None], str]:
+        """A metrics source (``MetricsProcessor.extra_fields``): the bytes this rank
+        all-reduced across the groups, in total and per step since the last log step."""
+        total, step = self.bytes_sent, self._step
+        per_step = (total - self._logged[0]) / max(step - self._logged[1], 1)
+        self._logged = (total, step)
+        return {"ft/bytes_total": total, "ft/bytes_per_step": per_step}, ""
 
     @classmethod
     def for_trainer(cls, trainer: Any) -> ReplicaGroup:
@@ -120,9 +152,7 @@ class ReplicaGroup:
 
         def data_reset() -> None:  # the next batch comes from the loaded data position
             steps.data_iter = None
-            steps.microbatches_drawn = trainer.replicas.manager.current_step() * (
-                steps.grad_accum_steps
-            )
+            steps.microbatches_drawn = trainer.replicas.resumed_step() * steps.grad_accum_steps
 
         group = cls(
             trainer.cfg.fault_tolerance,
@@ -142,12 +172,18 @@ class ReplicaGroup:
                     ckpt.save(step, step * trainer.global_tokens_per_step, blocking=True)
 
             group.save_on_stop = save
+        trainer.metrics.extra_fields.append(group.fields)
         return group
 
     # ------------------------------------------------------------------ the step's seams
     def start_step(self, step: int) -> int:
         """Join this step's quorum; returns the number of the last committed step (a
         recovering group's comes from its peer)."""
+        if self.semi is not None:  # no quorum: the groups meet at the sync (after_update)
+            if self._peer_step is not None:
+                step, self._peer_step = self._peer_step, None
+            self._step = step
+            return step
         start, self._recovered = time.perf_counter(), False
         before = self.manager.current_step()
         try:
@@ -173,7 +209,11 @@ class ReplicaGroup:
         return committed
 
     def reduce_and_commit(self, params: Iterable[nn.Parameter]) -> bool:
-        """Average the gradients over the live replica groups; whether the step commits."""
+        """Average the gradients over the live replica groups; whether the step commits.
+        Under semi_sync the step is local and always kept."""
+        if self.semi is not None:
+            self.committed = True
+            return True
         grads = [_local(p.grad) for p in params if p.grad is not None]
         for dtype in {g.dtype for g in grads}:
             same = [g for g in grads if g.dtype == dtype]
@@ -194,6 +234,39 @@ class ReplicaGroup:
             )
         return ok
 
+    def after_update(self, step: int) -> None:
+        """After step ``step``'s optimizer step (taken or skipped): under semi_sync, count the
+        inner step and sync the groups at every sync_every-th. A recovering group receives a
+        peer's state at the sync's quorum and continues from the peer's step."""
+        self._step = step
+        if self.semi is None:
+            return
+        self._recovered = False
+        start, before = time.perf_counter(), self.manager.current_step()
+        try:
+            synced = self.semi.after_inner_step()
+        except Exception as e:  # the lighthouse gave no quorum in time, or commits failed
+            raise self._lost(" ".join(str(e).split())[:300]) from None
+        if self._recovered and self._peer_step is not None:
+            seconds = time.perf_counter() - start
+            self.recoveries.append((self._peer_step, seconds))
+            logger.info(
+                f"fault tolerance: recovered live from a peer at step {self._peer_step} "
+                f"(was at step {step}) in {seconds:.2f} s"
+            )
+        elif synced and self.manager.current_step() == before:
+            logger.warning(
+                f"fault tolerance: the {self.ft.semi_sync} sync after step {step} did not "
+                f"commit ({self.manager.num_participants()} groups took part, error: "
+                f"{e_text(self)}); the groups go on from their weights of the last sync"
+            )
+
+    def resumed_step(self) -> int:
+        """The step a recovering group continues from: its peer's."""
+        if self.semi is not None and self._peer_step is not None:
+            return self._peer_step
+        return self.manager.current_step()
+
     def close(self) -> None:
         self.manager.shutdown(wait=False)
 
@@ -206,6 +279,7 @@ class ReplicaGroup:
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "data": data_position(self.dataloader),
+            "step": self._step,
         }
 
     def _load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -214,6 +288,7 @@ class ReplicaGroup:
         self.optimizer.load_state_dict(sd["optimizer"])
         self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
         load_data_position(self.dataloader, sd["data"])
+        self._peer_step = sd["step"]
         self.on_data_reset()
         self._recovered = True
 

@@ -13,6 +13,7 @@ from torchtitan.distributed.data_parallel import reshard_policy
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_stages import PipelineStages
 from torchtitan.distributed.utils import resolve_dtype
+from torchtitan.fault_tolerance.memory import fault_tolerance_memory
 from torchtitan.models import MODELS
 from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.planner import moe_memory as moe_terms
@@ -134,9 +135,16 @@ class RankMemory:
         self.trained = 1.0  # the share of the parameter elements that get gradients
         if self.cfg.lora.enable:
             self._hold_lora(param_elems, steady_state)
-        self.host = 0
+        self.host, self.ft_sync = 0, 0
+        ft = fault_tolerance_memory(
+            self.cfg.fault_tolerance, self.parameters, self.grads_all, self.optimizer_states
+        )
+        if ft is not None:  # recovery buffer, DiLoCo's outer state (fault_tolerance/memory.py)
+            self.optimizer_states += ft.held if steady_state else 0  # made at the first sync
+            self.host, self.ft_sync = ft.host, ft.sync
+            self.notes.append(ft.note)
         if self.offload:  # shards, their gradients and the optimizer live on the host
-            self.host = self.parameters + self.grads_all + self.optimizer_states
+            self.host += self.parameters + self.grads_all + self.optimizer_states
             self.parameters, self.optimizer_states = 0, 0
             self.notes.append(f"CPU offload: {format_bytes(self.host)} in host memory")
 
@@ -407,9 +415,9 @@ class RankMemory:
 
     def estimate(self) -> MemoryEstimate:
         """The moment with the most bytes, as a ``MemoryEstimate`` (temporaries 0)."""
+        step_new = self.muon_step + self.ft_sync  # Muon's gathers; the cross-group copies
         optimizer = _Moment(
-            self.device_grads + self.muon_step, "optimizer step", 0, self.muon_step,
-            self.device_grads, 0,
+            self.device_grads + step_new, "optimizer step", 0, step_new, self.device_grads, 0,
         )  # fmt: skip
         blocks, done_grads = self._block_backwards()
         moments = [

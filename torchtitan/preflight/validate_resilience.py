@@ -72,6 +72,7 @@ def lighthouse_address(cfg: JobConfig) -> str:
 
 def validate_fault_tolerance(cfg: JobConfig) -> None:
     ft = cfg.fault_tolerance
+    _validate_semi_sync(cfg)
     if not ft.enable:
         return
     if importlib.util.find_spec("torchft") is None:
@@ -120,6 +121,48 @@ def validate_fault_tolerance(cfg: JobConfig) -> None:
             )
     require_int(cfg, "fault_tolerance.quorum_retries", minimum=0)
     _validate_with_other_features(cfg)
+
+
+def _validate_semi_sync(cfg: JobConfig) -> None:
+    """semi_sync, sync_every and DiLoCo's outer optimizer: each set only where it is used."""
+    ft = cfg.fault_tolerance
+    require_int(cfg, "fault_tolerance.sync_every", minimum=1)
+    if ft.semi_sync != "none" and not ft.enable:
+        raise ConfigError(
+            "fault_tolerance.semi_sync",
+            ft.semi_sync,
+            "semi-synchronous training syncs torchft replica groups, which need "
+            "fault_tolerance.enable",
+            "add --fault_tolerance.enable with group_size and replica_id, or drop semi_sync",
+        )
+    if ft.semi_sync == "none" and ft.sync_every != 1:
+        raise ConfigError(
+            "fault_tolerance.sync_every",
+            ft.sync_every,
+            "only semi_sync local_sgd or diloco sync every N steps; without it the groups "
+            "average gradients every step",
+            "set --fault_tolerance.semi_sync diloco (or local_sgd), or drop sync_every",
+        )
+    for name in ("outer_lr", "outer_momentum"):
+        value = getattr(ft, name)
+        if value is not None and ft.semi_sync != "diloco":
+            raise ConfigError(
+                f"fault_tolerance.{name}",
+                value,
+                f"DiLoCo's outer optimizer is used only with semi_sync diloco (it is "
+                f"{ft.semi_sync!r})",
+                f"set --fault_tolerance.semi_sync diloco, or drop {name}",
+            )
+    if ft.outer_lr is not None:
+        _finite_positive("fault_tolerance.outer_lr", ft.outer_lr, "use e.g. 0.7 (DiLoCo's)")
+    m = ft.outer_momentum
+    if m is not None and not (isinstance(m, (int, float)) and 0 <= m < 1):
+        raise ConfigError(
+            "fault_tolerance.outer_momentum",
+            m,
+            "must be in [0, 1)",
+            "use e.g. 0.9 (DiLoCo's Nesterov momentum), or 0 for plain SGD",
+        )
 
 
 def _validate_with_other_features(cfg: JobConfig) -> None:

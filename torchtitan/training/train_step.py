@@ -104,6 +104,8 @@ class TrainStep:
         )
         self._update(step, step_loss, grad_norm, params)
         self.lr_scheduler.step()
+        if self.replicas is not None:  # semi_sync: every sync_every steps the groups sync
+            self.replicas.after_update(step)
         return step_loss, grad_norm
 
     def _update(
