@@ -69,7 +69,7 @@ def test_bad_records_are_refused(tmp_path: Path, record: dict, seq_len: int, rul
     path = _write(tmp_path / "p.jsonl", [PAIR, record])
     with pytest.raises(DataError, match=rf"p.jsonl, line 2: preference record: {rule}") as e:
         PreferenceDataset(path, CharTokenizer(), seq_len)
-    assert e.value.field == "training.dataset_path"
+    assert e.value.field == "dpo.dataset_path"
 
 
 def test_lora_reference_is_the_base_and_frozen_swap_is_exact() -> None:

@@ -84,3 +84,13 @@ def test_choice_fields_checked_for_configs_built_in_python() -> None:
     cfg.optimizer.name = "SGD"  # type: ignore[assignment]
     with pytest.raises(ConfigError, match=r"optimizer.name = 'SGD': must be one of \['AdamW'"):
         validate_values(cfg)
+
+
+def test_a_list_field_checks_each_element() -> None:
+    """``grpo.reward_weights`` (a list of numbers): a NaN among fine weights is refused."""
+    cfg = JobConfig()
+    cfg.grpo.reward_weights = [1.0, float("nan")]
+    with pytest.raises(ConfigError, match=r"grpo\.reward_weights.*finite"):
+        validate_values(cfg)
+    cfg.grpo.reward_weights = [1.0, 0.5]
+    validate_values(cfg)

@@ -174,6 +174,32 @@ RULES: dict[str, Num] = {
     "fault_tolerance.watchdog_timeout_seconds": Num(low=0.0, fix="use e.g. 60, or 0 for off"),
     "fault_tolerance.straggler_margin": Num(low=0.0, fix="use e.g. 0.5, or 0 for off"),
     "fault_tolerance.straggler_log_steps": count(fix="use e.g. 3"),
+    # replica groups with torchft (docs/fault_tolerance.md); the cross-field rules (replica_id
+    # below group_size, at least 2 groups, sync_every >= 1 with its reason) in validate_resilience
+    "fault_tolerance.replica_id": count(0, fix="use 0..group_size-1"),
+    "fault_tolerance.group_size": count(0, fix="use the number of replica-group jobs (>= 2)"),
+    "fault_tolerance.min_replicas": count(fix="use e.g. 1"),
+    "fault_tolerance.quorum_timeout_seconds": Num(low=0.0, low_open=True, fix="use e.g. 60"),
+    "fault_tolerance.connect_timeout_seconds": Num(low=0.0, low_open=True, fix="use e.g. 10"),
+    "fault_tolerance.timeout_seconds": Num(low=0.0, low_open=True, fix="use e.g. 60"),
+    "fault_tolerance.quorum_retries": count(0, fix="use e.g. 3"),
+    "fault_tolerance.sync_every": Num(integer=True, fix="use e.g. 10 (steps between syncs)"),
+    "fault_tolerance.outer_lr": Num(low=0.0, low_open=True, fix="use e.g. 0.7 (DiLoCo's)"),
+    "fault_tolerance.outer_momentum": fraction(fix="use e.g. 0.9", high_open=True),
+    # post-training (docs/posttrain.md); k = 1 is refused with its reason in validate_posttrain
+    "dpo.beta": Num(low=0.0, low_open=True, fix="use e.g. 0.1"),
+    "dpo.label_smoothing": Num(low=0.0, high=0.5, high_open=True, fix="use e.g. 0.1"),
+    "dpo.simpo_gamma": Num(low=0.0, fix="use e.g. 0.5"),
+    "grpo.k": count(fix="use e.g. 8 completions per prompt"),
+    "grpo.prompts_per_step": count(fix="use e.g. 8"),
+    "grpo.reward_weights": Num(fix="use e.g. 1.0 per reward function"),
+    "grpo.max_new_tokens": count(fix="use e.g. 8"),
+    "grpo.temperature": Num(low=0.0, low_open=True, fix="use e.g. 1.0"),
+    "grpo.top_k": count(0, fix="use e.g. 50, or 0 for every token"),
+    "grpo.epsilon_low": Num(low=0.0, fix="use e.g. 0.2"),
+    "grpo.epsilon_high": Num(low=0.0, fix="use e.g. 0.2 (or 0.28, DAPO's)"),
+    "grpo.kl_coef": Num(low=0.0, fix="use e.g. 0.04, or 0 for no reference"),
+    "grpo.seed": Num(low=0, high=2**63 - 1, integer=True, fix="use e.g. 0"),
 }
 
 
@@ -201,7 +227,8 @@ def validate_values(cfg: JobConfig) -> None:
         value = _get(cfg, path)
         rule = RULES.get(path)
         if rule is not None and not (value is None and _optional(annotation)):
-            problem = rule.problem(value)
+            values = value if isinstance(value, list) else [value]  # a list: each element
+            problem = next((p for v in values if (p := rule.problem(v)) is not None), None)
             if problem is not None:
                 raise ConfigError(
                     path, value, problem, rule.fix or f"use a value {rule.describe()}"
