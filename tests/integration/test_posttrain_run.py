@@ -138,6 +138,7 @@ def test_lora_dpo_run_exports_peft_adapters(tmp_path: Path) -> None:
     from torchtitan.models.spec import runtime_args
 
     toml = ["--job.config_file", str(ROOT / "train_configs" / "debug_dpo.toml"), "--lora.enable"]
+    toml += ["--lora.target_modules", "attention.wq,attention.wv,feed_forward.w2"]
     cfg, spec, base = parse_args(toml), MODELS["llama3"], tmp_path / "base"
     vocab = build_tokenizer(str(ROOT / cfg.model.tokenizer_path)).vocab_size
     args = runtime_args(spec, cfg.model.flavor, vocab, 64)
@@ -149,7 +150,7 @@ def test_lora_dpo_run_exports_peft_adapters(tmp_path: Path) -> None:
     (base / "config.json").write_text(json.dumps(adapter.hf_config()))
 
     dump = tmp_path / "run"
-    run = [*FAST[:2], "--training.steps", "2", "--checkpoint.interval", "2", "--lora.enable"]
+    run = [*FAST[:2], "--training.steps", "2", "--checkpoint.interval", "2", *toml[2:]]
     run += ["--checkpoint.initial_load_path", str(base), "--checkpoint.initial_load_in_hf"]
     run += [
         "--optimizer.lr",
