@@ -93,8 +93,8 @@ def _sft(model: torch.nn.Module, path: Path, steps: int, rng: random.Random) -> 
 
 @pytest.fixture
 def one_thread() -> Iterator[None]:
-    """The tiny model's ops are too small to share: two threads on a loaded 2-core machine made
-    the test ten times slower (measured: over 15 minutes against about 1 minute a seed)."""
+    """The tiny model's ops are too small to share: with two threads on a loaded 2-core machine
+    both seeds had not finished after 17 minutes; with one they took 42 s."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
