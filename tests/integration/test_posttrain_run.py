@@ -119,3 +119,61 @@ def test_fsdp2_run_resumes_bitwise(tmp_path: Path, mode: str) -> None:
     config = str(ROOT / "train_configs" / f"debug_{mode}.toml")
     args = ["--training.seq_len", "32"] if mode == "dpo" else GRPO_FAST
     _resume_matches(config, mode, tmp_path, FSDP2, *args)
+
+
+def test_lora_dpo_run_exports_peft_adapters(tmp_path: Path) -> None:
+    """DPO with ``lora.enable`` from a Hugging Face base (the reference is the base, adapters
+    off): ``scripts/export_lora.py`` writes PEFT adapters that ``peft`` loads onto the base and
+    that give our trained model's logits."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    from tests.script_loader import load
+    from torchtitan.checkpoint.storage import read_model_weights
+    from torchtitan.config.manager import parse_args
+    from torchtitan.data.tokenizer import build_tokenizer
+    from torchtitan.lora.apply import apply_lora
+    from torchtitan.models import MODELS
+    from torchtitan.models.spec import runtime_args
+
+    toml = ["--job.config_file", str(ROOT / "train_configs" / "debug_dpo.toml"), "--lora.enable"]
+    toml += ["--lora.target_modules", "attention.wq,attention.wv,feed_forward.w2"]
+    cfg, spec, base = parse_args(toml), MODELS["llama3"], tmp_path / "base"
+    vocab = build_tokenizer(str(ROOT / cfg.model.tokenizer_path)).vocab_size
+    args = runtime_args(spec, cfg.model.flavor, vocab, 64)
+    model = spec.build(args)
+    model.init_weights(seed=5)
+    adapter = spec.state_dict_adapter(args)
+    base.mkdir()
+    save_file(adapter.to_hf(dict(model.state_dict())), str(base / "model.safetensors"))
+    (base / "config.json").write_text(json.dumps(adapter.hf_config()))
+
+    dump = tmp_path / "run"
+    run = [*FAST[:2], "--training.steps", "2", "--checkpoint.interval", "2", *toml[2:]]
+    run += ["--checkpoint.initial_load_path", str(base), "--checkpoint.initial_load_in_hf"]
+    run += [
+        "--optimizer.lr",
+        "1e-2",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--training.seq_len",
+        "32",
+    ]
+    _ok(_train(toml[1], dump, *run))
+    ckpt = dump / "checkpoint" / "step-2"
+    adapters = read_model_weights(ckpt)
+    load("scripts/export_lora.py").export(ckpt, base, tmp_path / "peft", toml, merged=False)
+
+    ours = spec.build(args)
+    apply_lora(ours, cfg.lora)
+    ours.load_state_dict({**dict(model.state_dict()), **adapters})
+    ours.init_buffers()
+    ids = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    hf = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        plain = hf(input_ids=ids).logits
+        theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()(input_ids=ids).logits
+        mine = ours.eval()(ids)
+    assert (theirs - plain).abs().max() > 1e-4  # DPO moved the adapters
+    torch.testing.assert_close(theirs, mine, atol=1e-4, rtol=1e-4)

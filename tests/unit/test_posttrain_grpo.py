@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tests.posttrain_helpers import CharTokenizer, tiny_model
-from torchtitan.posttrain.grpo import GrpoSettings, GrpoStep, read_prompts
+from torchtitan.posttrain.grpo import GrpoSettings, GrpoStep, greedy_reward, read_prompts
 from torchtitan.posttrain.reference import Reference
 from torchtitan.posttrain.rewards import exact_match, format_check, resolve
-from torchtitan.posttrain.rollout import sample_completions
+from torchtitan.posttrain.rollout import greedy_completion, sample_completions
 
 
 def nan_reward(completion: str, answer: str | None) -> float:
@@ -123,3 +123,19 @@ def test_sampler_reproducible_and_equals_no_cache() -> None:
             nxt = torch.multinomial(probs, 1, generator=g3)
             tokens = torch.cat([tokens, nxt], 1)
     assert torch.equal(tokens[:, 4:], ids)
+
+
+def test_greedy_completion_is_the_argmax_path_and_stops_at_eos() -> None:
+    model, prompt = _model(), torch.tensor([5, 6, 7, 8])
+    tokens = prompt[None]
+    with torch.no_grad():
+        for _ in range(5):
+            tokens = torch.cat([tokens, model(tokens)[:, -1].argmax(-1, keepdim=True)], 1)
+    path = tokens[0, 4:].tolist()
+    assert greedy_completion(model, prompt, 5, eos_id=999) == path  # no EOS: all 5 tokens
+    # with the second token as EOS the completion ends there, EOS included
+    assert greedy_completion(model, prompt, 5, eos_id=path[1]) == path[: path.index(path[1]) + 1]
+    tok = CharTokenizer()  # decoding drops EOS (0) wherever the path has it
+    prompts = [(prompt, tok.decode(path)), (prompt, tok.decode(path) + "x")]
+    same = lambda text, answer: float(text == answer)  # noqa: E731
+    assert greedy_reward(model, prompts, tok, same, 5, torch.device("cpu")) == 0.5

@@ -28,7 +28,7 @@ from torchtitan.posttrain.logprobs import token_entropy, token_logprobs
 from torchtitan.posttrain.losses import GrpoLossType, clip_fraction, group_advantages, grpo_loss
 from torchtitan.posttrain.reference import Reference
 from torchtitan.posttrain.rewards import RewardFn, score
-from torchtitan.posttrain.rollout import sample_completions
+from torchtitan.posttrain.rollout import greedy_completion, sample_completions
 
 Prompt = tuple[torch.Tensor, "str | None"]  # prompt ids [P], answer
 METRICS = (
@@ -83,6 +83,23 @@ def read_prompts(
                 (torch.tensor(ids, dtype=torch.long), None if answer is None else str(answer))
             )
     return out
+
+
+def greedy_reward(
+    model: nn.Module,
+    prompts: Sequence[Prompt],
+    tokenizer: Any,
+    reward: RewardFn,
+    max_new_tokens: int,
+    device: torch.device,
+) -> float:
+    """The mean ``reward`` of the policy's greedy completions of ``prompts``: a deterministic
+    measure of what GRPO changed (the per-step reward mean is a noisy sample)."""
+    total = 0.0
+    for prompt, answer in prompts:
+        ids = greedy_completion(model, prompt.to(device), max_new_tokens, tokenizer.eos_id)
+        total += reward(tokenizer.decode([t for t in ids if t != tokenizer.eos_id]), answer)
+    return total / max(len(prompts), 1)
 
 
 @dataclass

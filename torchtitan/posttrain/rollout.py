@@ -17,7 +17,7 @@ not supported for generation (refused by :func:`generation_problem`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -75,6 +75,32 @@ def sample_completions(
         raise ValueError(
             f"GRPO samples at a temperature > 0 (got {temperature}): greedy completions of a prompt are all the same"
         )
+    return _decode(
+        model, prompt, k, max_new_tokens, eos_id,
+        lambda logits: _sample(logits, temperature, top_k, generator),
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def greedy_completion(
+    model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, eos_id: int
+) -> list[int]:
+    """The greedy (argmax) completion of ``prompt`` up to and including its first EOS: how a
+    policy is evaluated before and after GRPO (docs/posttrain.md, "It learns")."""
+    ids, mask = _decode(model, prompt, 1, max_new_tokens, eos_id, lambda lg: lg.argmax(-1))
+    return ids[0][mask[0].bool()].tolist()
+
+
+def _decode(
+    model: nn.Module,
+    prompt: torch.Tensor,
+    k: int,
+    max_new_tokens: int,
+    eos_id: int,
+    pick: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k`` rows decoded from ``prompt``, ``pick`` choosing each next token from the last
+    position's logits ``[k, V]``; ids and the up-to-first-EOS mask, both ``[k, max_new_tokens]``."""
     tokens = prompt.unsqueeze(0).expand(k, -1).contiguous()
     cache = KVCache(prompt.shape[0] + max_new_tokens)
     done = torch.zeros(k, dtype=torch.bool, device=prompt.device)
@@ -87,7 +113,7 @@ def sample_completions(
                 cache.length, cache.length + new.shape[1], device=prompt.device
             )
             logits = full_logits(model(new, positions=positions, cache=cache))
-            nxt = _sample(logits[:, -1], temperature, top_k, generator)
+            nxt = pick(logits[:, -1])
             mask[:, t] = (~done).long()
             nxt = torch.where(done, eos_id, nxt)
             done |= nxt == eos_id
