@@ -225,6 +225,8 @@ def _losses(float8: bool, steps: int) -> list[float]:
     return out
 
 
+# torch's CPU RMSNorm notes that bf16 rows with an fp32 weight skip its fused kernel.
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")
 @pytest.mark.slow  # ~25 s on an idle 2-core machine (the emulation doubles the step time)
 def test_fifty_steps_float8_experts_within_one_percent_of_bf16() -> None:
     """Measured (2-core CPU, torch 2.13): mean loss over the 50 steps 0.2% apart, the last 10
