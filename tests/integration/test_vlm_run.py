@@ -68,3 +68,23 @@ def test_fsdp2_equals_one_process_on_image_batches(tmp_path: Path) -> None:
     assert len(a) == len(b) == 4
     assert all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b, strict=True)), (a, b)
     assert a[-1] < a[0]
+
+
+def test_missing_pillow_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without Pillow (an install without the vlm extra) image-text training is refused before
+    any process group, naming the package and the extra."""
+    import importlib.util
+
+    from torchtitan.train import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "PIL" else real(name, *a)
+    )
+    argv = [*VLM, "--training.dataset_path", str(tmp_path)]
+    rc = main(["--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path), *argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "Pillow" in line]
+    assert rc == 2 and len(lines) == 1 and "vlm extra" in lines[0], err

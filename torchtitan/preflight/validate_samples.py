@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 from torchtitan.config.errors import ConfigError
@@ -112,6 +113,13 @@ def validate_vlm(cfg: JobConfig) -> None:
         )
     if t.dataset != "vlm":
         return
+    if importlib.util.find_spec("PIL") is None:
+        raise ConfigError(
+            "training.dataset",
+            "vlm",
+            "image-text samples are decoded with Pillow, which this environment does not have",
+            "pip install 'pillow>=10' (the project's vlm extra)",
+        )
     if cfg.model.name not in VLM_MODELS:
         raise ConfigError(
             "training.dataset",
