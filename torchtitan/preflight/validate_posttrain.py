@@ -161,16 +161,8 @@ def _validate_grpo(cfg: JobConfig, dims: ParallelDims) -> None:
             f"must be a positive multiple of the data-parallel degree {dims.dp_degree}",
             f"use e.g. {dims.dp_degree * max(1, g.prompts_per_step // dims.dp_degree)}",
         )
-    for field, ok, rule in (
-        ("grpo.max_new_tokens", g.max_new_tokens >= 1, "must be >= 1"),
-        ("grpo.temperature", g.temperature > 0, "must be > 0 (greedy completions would all be equal)"),
-        ("grpo.top_k", g.top_k >= 0, "must be >= 0 (0 samples from all tokens)"),
-        ("grpo.epsilon_low", g.epsilon_low >= 0, "must be >= 0"),
-        ("grpo.epsilon_high", g.epsilon_high >= 0, "must be >= 0"),
-        ("grpo.kl_coef", g.kl_coef >= 0, "must be >= 0"),
-    ):  # fmt: skip
-        if not ok:
-            raise ConfigError(field, getattr(g, field.split(".")[1]), rule, "see docs/posttrain.md")
+    # max_new_tokens, temperature, top_k, the clip epsilons and kl_coef: their ranges are
+    # validate_values.RULES, checked before this.
     _validate_rewards(g)
     path = _data_file("grpo.prompts_path", g.prompts_path, 'a JSONL file of {"prompt", "answer"}')
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)

@@ -113,13 +113,7 @@ def validate_fault_tolerance(cfg: JobConfig) -> None:
             f"must be in 1..fault_tolerance.group_size ({ft.group_size})",
             "use e.g. 1 to go on while any group lives",
         )
-    for name in ("quorum_timeout_seconds", "connect_timeout_seconds", "timeout_seconds"):
-        value = getattr(ft, name)
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ConfigError(
-                f"fault_tolerance.{name}", value, "must be a finite number > 0", "use e.g. 60"
-            )
-    require_int(cfg, "fault_tolerance.quorum_retries", minimum=0)
+    # The timeouts (> 0) and quorum_retries (>= 0): validate_values.RULES, checked before this.
     _validate_with_other_features(cfg)
 
 

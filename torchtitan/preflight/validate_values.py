@@ -194,7 +194,11 @@ RULES: dict[str, Num] = {
     "grpo.prompts_per_step": count(fix="use e.g. 8"),
     "grpo.reward_weights": Num(fix="use e.g. 1.0 per reward function"),
     "grpo.max_new_tokens": count(fix="use e.g. 8"),
-    "grpo.temperature": Num(low=0.0, low_open=True, fix="use e.g. 1.0"),
+    "grpo.temperature": Num(
+        low=0.0,
+        low_open=True,
+        fix="use e.g. 1.0 (at 0 the k completions would all be the greedy one)",
+    ),
     "grpo.top_k": count(0, fix="use e.g. 50, or 0 for every token"),
     "grpo.epsilon_low": Num(low=0.0, fix="use e.g. 0.2"),
     "grpo.epsilon_high": Num(low=0.0, fix="use e.g. 0.2 (or 0.28, DAPO's)"),
