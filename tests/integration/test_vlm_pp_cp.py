@@ -73,6 +73,21 @@ def test_pipeline_microbatches_get_their_samples_images() -> None:
         torch.testing.assert_close(logits, whole[row : row + 1], rtol=1e-5, atol=1e-5)
 
 
+def test_a_later_stage_without_mrope_positions_refuses_an_image_batch() -> None:
+    """A stage without the embedding cannot recompute MRoPE from hidden states: given an
+    image batch without ``mrope_positions`` it raises one line instead of rotating by text
+    positions."""
+    model = _model()
+    tokens, pixels, grids = _batch()
+    extra = model.image_inputs(tokens, pixels, grids)
+    model.tok_embeddings = None
+    h = torch.zeros(4, SEQ, model.args.dim)
+    del extra["mrope_positions"]
+    with pytest.raises(ValueError, match="needs mrope_positions") as err:
+        model(h, **extra)
+    assert "\n" not in str(err.value)
+
+
 class _CPMesh:
     """The two things ``ContextParallel`` reads of a cp mesh (no process group here)."""
 
@@ -140,10 +155,14 @@ def vlm_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], 
 
 
 def _compare(
-    reference: tuple[list[str], list[dict]], tmp_path: Path, layout: list[str], label: str
+    reference: tuple[list[str], list[dict]],
+    tmp_path: Path,
+    layout: list[str],
+    label: str,
+    world: int = 2,
 ) -> None:
     base, one = reference
-    got = run_ranks(_train, 2, [*base, *layout], str(tmp_path / "two"), timeout=900.0)[0]
+    got = run_ranks(_train, world, [*base, *layout], str(tmp_path / "run"), timeout=900.0)[0]
     assert got is not None
     print(label, "one process:", [r["loss"] for r in one], "layout:", [r["loss"] for r in got])
     assert_losses_match([r["loss"] for r in one], [r["loss"] for r in got], 1e-5, label)
@@ -186,3 +205,15 @@ def test_cp2_equals_one_process_on_image_batches(
     crosses the shard boundary; the tower runs on the whole batch on both ranks."""
     layout = ["--parallelism.context_parallel_degree", "2"]
     _compare(vlm_reference, tmp_path, layout, "qwen3_5_vl CP 2")
+
+
+@pytest.mark.slow
+def test_pp2_cp2_equals_one_process_on_image_batches(
+    vlm_reference: tuple[list[str], list[dict]], tmp_path: Path
+) -> None:
+    """PP 2 x CP 2 (4 ranks, 1F1B): the microbatches split the per-sample inputs along the
+    batch, CP the sequence inputs along the sequence; the images stay whole on every cp rank
+    of the first stage."""
+    layout = [*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"]
+    layout += ["--parallelism.context_parallel_degree", "2"]
+    _compare(vlm_reference, tmp_path, layout, "qwen3_5_vl PP 2 x CP 2", world=4)
