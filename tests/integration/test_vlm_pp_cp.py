@@ -207,13 +207,28 @@ def test_cp2_equals_one_process_on_image_batches(
     _compare(vlm_reference, tmp_path, layout, "qwen3_5_vl CP 2")
 
 
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]
+"""FSDP 2 with the reference's global batch of 4 (sample i is data-parallel rank i % 2's)."""
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+COMPOSED = {
+    # PP 2 x CP 2: microbatches split the per-sample inputs along the batch, CP the sequence
+    # inputs along the sequence; the images stay whole on both cp ranks of the first stage
+    "PP 2 x CP 2": [*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B", *CP2],
+    # the tower's FSDP units sharded over dp_shard x cp, the images each dp rank's own
+    "FSDP 2 x CP 2": [*FSDP2, *CP2],
+    # stage 0 on pp rank 0 with the tower, its FSDP units over dp_shard
+    "PP 2 x FSDP 2": [*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B", *FSDP2],
+    # 4 stages, 2 per rank: rank 0 holds stage 0 (the tower) and stage 2 (none)
+    "PP 2 Interleaved1F1B": [*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+}
+
+
 @pytest.mark.slow
-def test_pp2_cp2_equals_one_process_on_image_batches(
-    vlm_reference: tuple[list[str], list[dict]], tmp_path: Path
+@pytest.mark.parametrize("label", sorted(COMPOSED))
+def test_composed_layouts_equal_one_process_on_image_batches(
+    vlm_reference: tuple[list[str], list[dict]], tmp_path: Path, label: str
 ) -> None:
-    """PP 2 x CP 2 (4 ranks, 1F1B): the microbatches split the per-sample inputs along the
-    batch, CP the sequence inputs along the sequence; the images stay whole on every cp rank
-    of the first stage."""
-    layout = [*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"]
-    layout += ["--parallelism.context_parallel_degree", "2"]
-    _compare(vlm_reference, tmp_path, layout, "qwen3_5_vl PP 2 x CP 2", world=4)
+    """PP and CP composed with each other and with FSDP, and an interleaved schedule."""
+    layout = COMPOSED[label]
+    world = 4 if label.count(" x ") else 2
+    _compare(vlm_reference, tmp_path, layout, f"qwen3_5_vl {label}", world=world)
