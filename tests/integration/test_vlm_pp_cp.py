@@ -102,14 +102,15 @@ class _CPMesh:
 
 
 def test_cp_shards_get_their_image_tokens_and_positions() -> None:
-    """CP 2 head-tail: each rank's share keeps the images whole (its tower sees the whole
-    batch's), and its embeddings and MRoPE positions equal the whole sequence's at its token
+    """CP 2 head-tail (no pipeline: the collated patches, per-sample grids): each rank's share
+    keeps the images whole (its tower sees the whole batch's), and its embeddings and MRoPE positions equal the whole sequence's at its token
     positions, exactly, with images crossing the shard boundary (row 0's tokens 3-7 on rank
     0 and 8 on rank 1; row 3's 20-23 on rank 1 and 24-27 on rank 0); the embeddings' gradient
     reaches the tower on both ranks."""
     model = _model()
     tokens, pixels, grids = _batch()
-    extra = model.image_inputs(tokens, pixels, grids)
+    extra = model.image_inputs(tokens, pixels, grids, microbatched=False)
+    assert extra["pixel_values"] is pixels  # no pipeline: not padded per row
     whole = model._embed(tokens, pixels, grids, None)
     plan = MODELS["qwen3_5_vl"].parallel_plan(model.args).context_parallel
     assert plan is not None

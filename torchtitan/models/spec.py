@@ -64,9 +64,10 @@ class TrainableModel(Protocol):
     :func:`buffer_init`, which give their defaults): ``batch_inputs(tokens) -> dict`` adds
     keyword inputs to every batch, made from whole sequences before context parallel shards them
     and given to every pipeline stage (default: none; DeepSeek-V3's multi-token prediction
-    tokens); ``image_inputs(tokens, pixel_values, grid_thw) -> dict`` gives an image batch's
-    keyword inputs, likewise from whole sequences (default: the collated two as they are;
-    qwen3_5_vl's per-sample form, which pipeline and context parallel split); ``init_buffers(device)``
+    tokens); ``image_inputs(tokens, pixel_values, grid_thw, microbatched) -> dict`` gives an
+    image batch's keyword inputs, likewise from whole sequences, every one splittable along
+    the batch when ``microbatched`` (a pipeline schedule) (default: the collated two as they
+    are; qwen3_5_vl's per-sample form, which pipeline and context parallel split); ``init_buffers(device)
     fills the buffers alone, so that the weights' init can wait for a checkpoint load that
     would overwrite them (default: no such split, the weights are initialised at build)."""
 
@@ -81,13 +82,17 @@ def batch_inputs(part: nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tenso
 
 
 def image_inputs(
-    part: nn.Module, tokens: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    part: nn.Module,
+    tokens: torch.Tensor,
+    pixel_values: torch.Tensor,
+    grid_thw: torch.Tensor,
+    microbatched: bool,
 ) -> dict[str, torch.Tensor]:
     """The optional ``TrainableModel.image_inputs`` of a model (part): the keyword inputs of an
     image batch, by default its ``pixel_values`` and ``grid_thw`` as collated."""
     method = getattr(part, "image_inputs", None)
     if callable(method):
-        return method(tokens, pixel_values, grid_thw)
+        return method(tokens, pixel_values, grid_thw, microbatched)
     return {"pixel_values": pixel_values, "grid_thw": grid_thw}
 
 

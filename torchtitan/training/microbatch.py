@@ -79,8 +79,10 @@ class MicrobatchRunner:
         self, inputs: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor
     ) -> ModelInputs:
         """An image batch's keyword inputs as the model wants them (``spec.image_inputs``),
-        from whole sequences (every part of a model gives the same)."""
-        return image_inputs(self.model_parts[0], inputs, pixel_values, grid_thw)
+        from whole sequences (every part of a model gives the same); under PP each one must
+        split along the batch into the schedule's microbatches."""
+        pipelined = self.pipeline is not None
+        return image_inputs(self.model_parts[0], inputs, pixel_values, grid_thw, pipelined)
 
     def train_context(self) -> contextlib.ExitStack:
         """Contexts around forward, loss and backward: autocast where no FSDP/DDP policy casts

@@ -96,22 +96,28 @@ class Qwen35VLModel(Qwen35Transformer):
             return h
         if grid_thw is None:
             raise ValueError("pixel_values given without grid_thw")
-        if pixel_values.dim() == 2:  # the collated form: whole rows, images in order
+        if visual_index is None:  # the collated form: whole rows, images in order
+            if grid_thw.dim() != 2 or pixel_values.dim() != 2:
+                raise ValueError("per-sample pixel_values / grid_thw need visual_index")
             return scatter_visual(h, placeholders, self.visual(pixel_values, grid_thw))
-        if visual_index is None:
-            raise ValueError("per-sample pixel_values ([B, P, patch_dim]) need visual_index")
         merge = a.vision.spatial_merge_size
         pixels, grids, offsets = unpad_images(pixel_values, grid_thw, merge)
         return place_visual(h, placeholders, self.visual(pixels, grids), visual_index, offsets)
 
     def image_inputs(
-        self, tokens: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+        self,
+        tokens: torch.Tensor,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        microbatched: bool = True,
     ) -> dict[str, torch.Tensor]:
         """A collated image batch's keyword inputs in the per-sample form pipeline and context
-        parallel split (``images.py``), from its whole sequences."""
+        parallel split (``images.py``), from its whole sequences; ``pixel_values`` padded per
+        row only when ``microbatched`` (a pipeline schedule splits the batch)."""
         a = self.args
+        merge = a.vision.spatial_merge_size
         return per_sample_images(
-            tokens, pixel_values, grid_thw, a.image_token_id, a.vision.spatial_merge_size
+            tokens, pixel_values, grid_thw, a.image_token_id, merge, microbatched
         )
 
     def _rule(self, fqn: str) -> ParamInit:
