@@ -65,11 +65,11 @@ class TrainableModel(Protocol):
     keyword inputs to every batch, made from whole sequences before context parallel shards them
     and given to every pipeline stage (default: none; DeepSeek-V3's multi-token prediction
     tokens); ``image_inputs(tokens, pixel_values, grid_thw, microbatched) -> dict`` gives an
-    image batch's keyword inputs, likewise from whole sequences, every one splittable along
-    the batch when ``microbatched`` (a pipeline schedule) (default: the collated two as they
-    are; qwen3_5_vl's per-sample form, which pipeline and context parallel split); ``init_buffers(device)
-    fills the buffers alone, so that the weights' init can wait for a checkpoint load that
-    would overwrite them (default: no such split, the weights are initialised at build)."""
+    image batch's keyword inputs, likewise from whole sequences, each splittable along the
+    batch when ``microbatched`` (a pipeline schedule) (default: the collated two as they are;
+    qwen3_5_vl's per-sample form, docs/vlm.md); ``init_buffers(device)`` fills the buffers
+    alone, so that the weights' init can wait for a checkpoint load that would overwrite them
+    (default: no such split, the weights are initialised at build)."""
 
     def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None: ...
 
