@@ -248,6 +248,7 @@ class Trainer:
             rotate_method=p.context_parallel_rotate_method,
             rope_buffer=plan.rope_buffer if plan else None,
             balancer=p.context_parallel_load_balancer,
+            whole_inputs=plan.whole_inputs if plan else (),
         )
 
     def _build_optimizer(self) -> None:
