@@ -53,8 +53,8 @@ def _slurm_env(port: int, nodes: int, gpus: int, **extra: str) -> dict[str, str]
             "BASH_FUNC_scontrol%%": "() { echo localhost; }",
             "BASH_FUNC_srun%%": '() { while [[ "$1" == -* ]]; do shift; done; "$@"; }',
         },
-        **extra,
     )
+    env.update(extra)
     # torchrun's MASTER_* would otherwise leak in from a test run under torchrun.
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
@@ -228,3 +228,33 @@ def test_slurm_starts_the_lighthouse_for_two_replica_groups(tmp_path: Path) -> N
     ]
     assert set(models[0]) == set(models[1]) and len(models[0]) > 10
     assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+
+
+def test_slurm_lighthouse_that_cannot_start_stops_the_job(tmp_path: Path) -> None:
+    """TORCHFT_LIGHTHOUSE=start on a port already taken: one line naming the port and the fix,
+    exit 2, and no training started (srun is never reached)."""
+    pytest.importorskip("torchft")
+    import socket
+
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = _slurm_env(
+            free_port(),
+            nodes=1,
+            gpus=1,
+            TORCHFT_LIGHTHOUSE="start",
+            LIGHTHOUSE_PORT=str(port),
+            LIGHTHOUSE_LOG=str(tmp_path / "lighthouse.log"),
+            **{"BASH_FUNC_srun%%": "() { echo SRUN; }"},
+        )
+        script = Path(DEBUG_TOML).parents[1] / "scripts" / "multinode_trainer.slurm"
+        proc = subprocess.run(
+            ["bash", str(script)], env=env, capture_output=True, text=True, timeout=120
+        )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "SRUN" not in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"did not start on port {port}" in lines[0], proc.stderr
+    assert "Address already in use" in lines[0] and "Fix: free the port" in lines[0]
