@@ -32,6 +32,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
 from torchtitan.eval.harness import training_evaluator
 from torchtitan.eval.validation_loss import build_validator
+from torchtitan.fault_tolerance.outer_state import checkpoint_parts
 from torchtitan.fault_tolerance.replica import ReplicaGroup, data_shard
 from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
@@ -383,8 +384,9 @@ class Trainer:
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         """Checkpointed parts beyond the manager's own, by name (a training mode's state:
-        torchtitan/training/posttrain.py); none here."""
-        return {}
+        torchtitan/training/posttrain.py): here DiLoCo's outer state under fault tolerance,
+        else none (torchtitan/fault_tolerance/outer_state.py)."""
+        return checkpoint_parts(self.cfg.fault_tolerance, self.model_parts)
 
     def _load_initial_only(self) -> None:
         """checkpoint.initial_load_path with checkpointing off: the weights (the model was
