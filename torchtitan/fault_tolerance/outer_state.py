@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.checkpoint.manager import DILOCO_PART
 from torchtitan.config.sections import FaultTolerance
 from torchtitan.tools.logging import logger
 
@@ -36,7 +37,7 @@ def outer_settings(ft: FaultTolerance) -> tuple[float, float]:
     return lr, momentum
 
 
-PART = "diloco"  # the checkpoint part's name
+PART = DILOCO_PART  # the checkpoint part's name
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
