@@ -48,6 +48,19 @@ class ImageTokens:
     vision_end_id: int | None = None
 
 
+def image_tokens(model_args: Any) -> ImageTokens:
+    """The placeholder ids of the model a run builds (its flavor, or the args read from a
+    ``config.json``): one source for the model and the data. ``vision_start_token_id`` /
+    ``vision_end_token_id`` wrap each image when both are token ids of its vocabulary (the
+    debug flavors' lie outside their 2048 tokens: their images are not wrapped)."""
+    vocab = model_args.vocab_size
+    start = getattr(model_args, "vision_start_token_id", None)
+    end = getattr(model_args, "vision_end_token_id", None)
+    if start is None or end is None or not (0 <= start < vocab and 0 <= end < vocab):
+        start = end = None
+    return ImageTokens(model_args.image_token_id, start, end)
+
+
 @dataclass
 class VLMSample:
     inputs: torch.Tensor  # [S]
@@ -63,7 +76,12 @@ def _image_bytes(value: Any) -> bytes:
 def read_parquet(path: Path) -> Iterator[Raw]:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    yield from parquet_rows(path, pq.read_table(path), 0)
+
+
+def parquet_rows(path: Path, table: Any, first: int) -> list[Raw]:
+    """The samples of ``table`` (a parquet file's rows from row ``first``); ``ValueError``
+    without the columns."""
     names = set(table.column_names)
     if "text" not in names or not names & {"images", "image"}:
         raise ValueError(
@@ -71,32 +89,52 @@ def read_parquet(path: Path) -> Iterator[Raw]:
             "(a list of encoded images) or 'image'"
         )
     column = "images" if "images" in names else "image"
+    out = []
     for i, row in enumerate(table.select(["text", column]).to_pylist()):
         imgs = row[column]
         imgs = [] if imgs is None else imgs if column == "images" else [imgs]
-        yield f"{path} row {i}", row["text"] or "", [_image_bytes(b) for b in imgs]
+        out.append((f"{path} row {first + i}", row["text"] or "", [_image_bytes(b) for b in imgs]))
+    return out
 
 
-def read_tar(path: Path) -> Iterator[Raw]:
-    groups: dict[str, dict[str, bytes]] = {}
+def tar_groups(path: Path) -> dict[str, dict[str, tarfile.TarInfo]]:
+    """The members of a WebDataset shard by sample key (the name up to the first dot), each
+    by its extension, in the shard's order."""
+    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
     with tarfile.open(path) as tar:
         for member in tar:
             if not member.isfile():
                 continue
             base = member.name.rsplit("/", 1)[-1]
             key = member.name[: len(member.name) - len(base)] + base.split(".", 1)[0]
-            f = tar.extractfile(member)
-            if f is not None:
-                groups.setdefault(key, {})[base.split(".", 1)[-1].lower()] = f.read()
-    for key, parts in groups.items():
-        if "txt" in parts:
-            text = parts["txt"].decode("utf-8")
-        elif "json" in parts:
-            text = json.loads(parts["json"]).get("text", "")
-        else:
-            text = ""
-        images = [parts[ext] for ext in sorted(parts) if "." + ext.rsplit(".", 1)[-1] in IMAGE_EXTS]
-        yield f"{path}:{key}", text, images
+            groups.setdefault(key, {})[base.split(".", 1)[-1].lower()] = member
+    return groups
+
+
+def tar_raw(name: str, parts: dict[str, bytes]) -> Raw:
+    """One WebDataset sample: its text (``.txt``, else a ``.json``'s ``text``) and its images
+    (image extensions, in name order)."""
+    if "txt" in parts:
+        text = parts["txt"].decode("utf-8")
+    elif "json" in parts:
+        text = json.loads(parts["json"]).get("text", "")
+    else:
+        text = ""
+    images = [parts[ext] for ext in sorted(parts) if "." + ext.rsplit(".", 1)[-1] in IMAGE_EXTS]
+    return name, text, images
+
+
+def read_tar(path: Path) -> Iterator[Raw]:
+    groups = tar_groups(path)
+    with tarfile.open(path) as tar:
+        for key, members in groups.items():
+            parts = {ext: _member_bytes(tar, m) for ext, m in members.items()}
+            yield tar_raw(f"{path}:{key}", parts)
+
+
+def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    f = tar.extractfile(member)
+    return b"" if f is None else f.read()
 
 
 def read_source(path: Path) -> Iterator[Raw]:
@@ -144,11 +182,7 @@ def tokenize(
         tokens += [ids.vision_end_id] if ids.vision_end_id is not None else []
         tokens += tokenizer.encode(piece, bos=False, eos=False)
     tokens.append(tokenizer.eos_id)
-    pixels = (
-        torch.cat(patches)
-        if patches
-        else torch.zeros(0, 3 * rules.temporal_patch_size * rules.patch_size**2)
-    )
+    pixels = torch.cat(patches) if patches else torch.zeros(0, rules.patch_dim)
     return tokens, pixels, grids
 
 
@@ -194,11 +228,12 @@ class VLMDataset(IterableDataset):
                 index += 1
                 if (index - 1) % self.dp_world != self.dp_rank:
                     continue
-                sample = self._sample(raw)
+                sample = self.sample(raw)
                 if sample is not None:
                     yield sample
 
-    def _sample(self, raw: Raw) -> VLMSample | None:
+    def sample(self, raw: Raw) -> VLMSample | None:
+        """The padded row of one raw sample, or None when it is skipped (counted)."""
         try:
             tokens, pixels, grids = tokenize(raw, self.tokenizer, self.rules, self.ids)
         except BadImage as e:

@@ -111,30 +111,33 @@ def validate_vlm(cfg: JobConfig) -> None:
             "image-text validation is not implemented yet",
             "validate on a text dataset or disable validation (docs/vlm.md)",
         )
-    if t.dataset != "vlm":
+    mixed = [i for i, s in enumerate(t.mixture) if s.dataset == "vlm"]
+    if t.dataset != "vlm" and not (t.dataset == "mixture" and mixed):
         return
     if importlib.util.find_spec("PIL") is None:
         raise ConfigError(
             "training.dataset",
-            "vlm",
+            t.dataset,
             "image-text samples are decoded with Pillow, which this environment does not have",
             "pip install 'pillow>=10' (the project's vlm extra)",
         )
     if cfg.model.name not in VLM_MODELS:
         raise ConfigError(
             "training.dataset",
-            "vlm",
+            t.dataset,
             f"image-text data needs a model with a vision tower (one of {list(VLM_MODELS)}), "
             f"not {cfg.model.name!r}",
             "set --model.name qwen3_5_vl (docs/vlm.md)",
         )
-    path = t.dataset_path
-    try:
-        source_files(Path(path or ""))
-    except ValueError as e:
-        raise ConfigError(
-            "training.dataset_path",
-            path,
-            str(e),
-            "point it at .parquet files or WebDataset .tar shards (scripts/make_vlm_data.py)",
-        ) from None
+    paths = [("training.dataset_path", t.dataset_path)] if t.dataset == "vlm" else []
+    paths += [(f"training.mixture[{i}].path", t.mixture[i].path) for i in mixed]
+    for field, path in paths:
+        try:
+            source_files(Path(path or ""))
+        except ValueError as e:
+            raise ConfigError(
+                field,
+                path,
+                str(e),
+                "point it at .parquet files or WebDataset .tar shards (scripts/make_vlm_data.py)",
+            ) from None
