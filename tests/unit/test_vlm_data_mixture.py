@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -253,3 +254,46 @@ def test_trainer_trains_on_an_image_text_mixture(tmp_path: Path, data: dict[str,
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
     assert rows[-1]["data/tokens_vlm.parquet"] == rows[-1]["data/tokens_part-0.jsonl"] == 3 * SEQ
+
+
+def test_ids_of_an_imported_config_json_reach_data_and_model(data: dict[str, Path]) -> None:
+    """Args read from a transformers ``Qwen3_5Config`` (placeholder 2045, vision start 2043,
+    end 2044, a 16-pixel-patch tower): the loader built from them wraps each image's
+    placeholders in start/end, and the model built from the same args consumes the batch
+    (one placeholder per merged tower token) with finite logits."""
+    transformers = pytest.importorskip("transformers")
+    from tests.tiny_args import tiny_qwen3_5
+    from torchtitan.models import MODELS
+
+    text = tiny_qwen3_5(vocab_size=2048, max_seq_len=SEQ)
+    vision = dict(
+        depth=1, hidden_size=32, num_heads=2, intermediate_size=48, out_hidden_size=text.dim,
+        patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
+    )  # fmt: skip
+    text_config = dict(
+        vocab_size=2048, hidden_size=text.dim, num_hidden_layers=text.n_layers,
+        num_attention_heads=text.n_heads, num_key_value_heads=text.n_kv_heads,
+        head_dim=text.head_dim, layer_types=list(text.layer_types),
+        intermediate_size=text.intermediate_size, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 1, 1],
+                         "partial_rotary_factor": 0.5, "mrope_interleaved": True},
+    )  # fmt: skip
+    config = transformers.Qwen3_5Config(
+        text_config=text_config, vision_config=vision, image_token_id=2045,
+        vision_start_token_id=2043, vision_end_token_id=2044, tie_word_embeddings=True,
+    )  # fmt: skip
+    spec = MODELS["qwen3_5_vl"]
+    as_json = json.loads(config.to_json_string())  # what save_pretrained writes
+    args = spec.hf.config.args_from_hf(as_json)  # type: ignore[attr-defined]
+    assert (args.image_token_id, args.vision_start_token_id) == (2045, 2043)
+    b = next(iter(_loader(data, args=args, weights=(1.0, 1e-9), batch=2)))
+    n = int((b["inputs"] == 2045).sum())
+    assert n == int(b["grid_thw"].prod(-1).sum()) // 4 > 0
+    assert (
+        int((b["inputs"] == 2043).sum()) == int((b["inputs"] == 2044).sum()) == len(b["grid_thw"])
+    )
+    model = spec.build(args)
+    model.init_weights(seed=0)  # type: ignore[operator]
+    logits = model(b["inputs"], pixel_values=b["pixel_values"], grid_thw=b["grid_thw"])
+    assert logits.shape == (2, SEQ, 2048) and bool(logits.isfinite().all())

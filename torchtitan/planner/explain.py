@@ -27,7 +27,9 @@ from torchtitan.planner.estimator import (
     in_flight_microbatches,
     model_args_for,
 )
+from torchtitan.planner.lora_memory import training_flops_per_token
 from torchtitan.planner.moe_explain import moe_lines
+from torchtitan.planner.vision import vision_lines
 from torchtitan.preflight.validate import pipeline_stages
 
 _AXIS_TEXT = {
@@ -124,6 +126,7 @@ def explain(
     add(_attention_line(cfg, device_type, dims.cp))
     lines.extend(fault_tolerance_lines(cfg, dims, MODELS[cfg.model.name].num_params(args)))
     lines.extend(moe_lines(cfg, args, dims, device_type))  # MoE flavors only
+    lines.extend(vision_lines(cfg, args, training_flops_per_token(cfg, args)))  # VLMs only
     if plan is not None:
         mb = t.local_batch_size // plan.n_microbatches
         bubble = pipeline_bubble(

@@ -25,6 +25,7 @@ from torchtitan.config.job_config import JobConfig, Lora
 from torchtitan.lora.apply import apply_lora, with_targets
 from torchtitan.lora.layers import is_adapter_name
 from torchtitan.models import MODELS
+from torchtitan.planner.vision import vision_flops_per_token
 
 __all__ = [
     "DEQUANT_BYTES",
@@ -131,8 +132,10 @@ def training_flops_per_token(cfg: JobConfig, args: Any) -> int:
     base computes no weight gradients: ``6 N`` becomes ``4 N``, and the adapters add their own
     ``6 n``. Work that is not a model matmul is left out, as MFU conventionally does: QLoRA's
     dequantization, the optimizer (AdamW, Muon's Newton-Schulz) and activation recompute lower
-    MFU instead of adding to its numerator."""
-    flops = MODELS[cfg.model.name].flops_per_token(args, cfg.training.seq_len)
+    MFU instead of adding to its numerator. A vision tower counts per patch of the
+    ``training.image_tokens_per_sample`` (``planner/vision.py``)."""
+    family = MODELS[cfg.model.name].flops_per_token(args, cfg.training.seq_len)
+    flops = family + vision_flops_per_token(cfg, args)  # the tower per patch (planner/vision.py)
     lora = lora_shares(cfg, args)
     if lora is None:
         return int(flops)
