@@ -98,7 +98,7 @@ def uses_images(training: Training, dataset: str) -> bool:
     return dataset == "vlm" or mixed
 
 
-def _image_rules(model_args: Any) -> ImageRules:
+def image_rules(model_args: Any) -> ImageRules:
     v = model_args.vision
     return ImageRules(v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
 
@@ -115,7 +115,7 @@ def vlm_dataloader(
     tower's sizes, ``vlm_dataset.py: image_tokens``; preflight: validate_samples.py); batches
     are dicts (``vlm_dataset.py: collate``)."""
     assert path is not None  # preflight requires a dataset_path for "vlm"
-    rules, ids = _image_rules(model_args), image_tokens(model_args)
+    rules, ids = image_rules(model_args), image_tokens(model_args)
     rank, world = dp_mesh.get_local_rank(), dp_mesh.size()
     data = VLMDataset(
         source_files(Path(path)), tokenizer, training.seq_len, rules, ids, rank, world, infinite
@@ -133,7 +133,7 @@ def vlm_mixture_dataloader(
 ) -> ParallelAwareDataloader:
     """A ``mixture`` with ``dataset = "vlm"`` sources: image-text samples and text windows at
     the tables' weights, rows of :class:`VLMMixtureDataset` (``data/vlm_mixture.py``)."""
-    t, rules, ids = training, _image_rules(model_args), image_tokens(model_args)
+    t, rules, ids = training, image_rules(model_args), image_tokens(model_args)
     opts = DataOptions(t.tokenized_shuffle, seed, t.mixture, t.mixture_exhausted)
     sources: list[Any] = []
     for i, src in enumerate(t.mixture):
