@@ -13,6 +13,7 @@ from torchtitan.config.job_config import Training
 from torchtitan.config.sections import Sft
 from torchtitan.data.builder import DataOptions, build_data_loader, mixture_source, source_label
 from torchtitan.data.chat_data import ChatDataset
+from torchtitan.data.chat_template import resolve_chat_template
 from torchtitan.data.dataloader import ParallelAwareDataloader
 from torchtitan.data.tokenizer import AnyTokenizer
 from torchtitan.data.vlm_dataset import VLMDataset, collate, image_tokens, source_files
@@ -45,9 +46,9 @@ def rank_dataloader(
     if dataset == "chat":  # chat SFT rows with prompt-masked labels (docs/sft.md)
         return chat_dataloader(t, sft, dataset_path, tokenizer, dp_mesh, infinite, with_doc_ids)
     if dataset == "vlm":  # image-text samples (docs/vlm.md)
-        return vlm_dataloader(t, dataset_path, tokenizer, dp_mesh, infinite, model_args)
+        return vlm_dataloader(t, sft, dataset_path, tokenizer, dp_mesh, infinite, model_args)
     if uses_images(t, dataset):  # image-text and text sources at weights (docs/vlm.md)
-        return vlm_mixture_dataloader(t, tokenizer, dp_mesh, seed, model_args)
+        return vlm_mixture_dataloader(t, sft, tokenizer, dp_mesh, seed, model_args)
     return build_data_loader(
         dataset=dataset,
         dataset_path=dataset_path,
@@ -105,6 +106,7 @@ def image_rules(model_args: Any) -> ImageRules:
 
 def vlm_dataloader(
     training: Training,
+    sft: Sft,
     path: str | None,
     tokenizer: AnyTokenizer,
     dp_mesh: DeviceMesh,
@@ -117,15 +119,18 @@ def vlm_dataloader(
     assert path is not None  # preflight requires a dataset_path for "vlm"
     rules, ids = image_rules(model_args), image_tokens(model_args)
     rank, world = dp_mesh.get_local_rank(), dp_mesh.size()
+    template = resolve_chat_template(tokenizer, sft.chat_template)  # chat samples
     data = VLMDataset(
-        source_files(Path(path)), tokenizer, training.seq_len, rules, ids, rank, world, infinite
-    )
+        source_files(Path(path)), tokenizer, training.seq_len, rules, ids, rank, world, infinite,
+        template,
+    )  # fmt: skip
     batch = training.local_batch_size
     return ParallelAwareDataloader(data, rank, world, batch_size=batch, collate_fn=collate)
 
 
 def vlm_mixture_dataloader(
     training: Training,
+    sft: Sft,
     tokenizer: AnyTokenizer,
     dp_mesh: DeviceMesh,
     seed: int,
@@ -140,7 +145,8 @@ def vlm_mixture_dataloader(
         if src.dataset != "vlm":
             sources.append(mixture_source(i, src, tokenizer, t.seq_len, opts))
             continue
-        builder = VLMDataset([], tokenizer, t.seq_len, rules, ids)
+        template = resolve_chat_template(tokenizer, sft.chat_template)
+        builder = VLMDataset([], tokenizer, t.seq_len, rules, ids, template=template)
         index = RawIndex(source_files(Path(src.path)))
         sources.append(ImageTextSource(source_label(src), index, builder, t.mixture_exhausted))
     rank, world = dp_mesh.get_local_rank(), dp_mesh.size()

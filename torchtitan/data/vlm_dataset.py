@@ -24,21 +24,23 @@ import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import IterableDataset
 
+from torchtitan.data.chat_template import ChatTokenizer
 from torchtitan.data.tokenizer import TextTokenizer
+from torchtitan.data.vlm_chat import MARKER, chat_messages, chat_tokens, markers
 from torchtitan.data.vlm_images import BadImage, ImageRules, decode, patchify
 from torchtitan.loss.chunked import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
-MARKER = "<image>"
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
 
-Raw = tuple[str, str, list[bytes]]
-"""(sample name for messages, text with markers, encoded images)."""
+Raw = tuple[str, str | list[Any], list[bytes]]
+"""(sample name for messages, text with markers or a chat ``messages`` list, encoded
+images)."""
 
 
 @dataclass(frozen=True)
@@ -83,17 +85,19 @@ def parquet_rows(path: Path, table: Any, first: int) -> list[Raw]:
     """The samples of ``table`` (a parquet file's rows from row ``first``); ``ValueError``
     without the columns."""
     names = set(table.column_names)
-    if "text" not in names or not names & {"images", "image"}:
+    if not names & {"text", "messages"} or not names & {"images", "image"}:
         raise ValueError(
-            f"{path}: columns {sorted(names)}; an image-text parquet needs 'text' and 'images' "
-            "(a list of encoded images) or 'image'"
+            f"{path}: columns {sorted(names)}; an image-text parquet needs 'text' (or a chat "
+            "'messages' list) and 'images' (a list of encoded images) or 'image'"
         )
+    text = "messages" if "messages" in names else "text"
     column = "images" if "images" in names else "image"
-    out = []
-    for i, row in enumerate(table.select(["text", column]).to_pylist()):
+    out: list[Raw] = []
+    for i, row in enumerate(table.select([text, column]).to_pylist()):
         imgs = row[column]
         imgs = [] if imgs is None else imgs if column == "images" else [imgs]
-        out.append((f"{path} row {first + i}", row["text"] or "", [_image_bytes(b) for b in imgs]))
+        words = row[text] if text == "messages" else row[text] or ""
+        out.append((f"{path} row {first + i}", words, [_image_bytes(b) for b in imgs]))
     return out
 
 
@@ -112,14 +116,16 @@ def tar_groups(path: Path) -> dict[str, dict[str, tarfile.TarInfo]]:
 
 
 def tar_raw(name: str, parts: dict[str, bytes]) -> Raw:
-    """One WebDataset sample: its text (``.txt``, else a ``.json``'s ``text``) and its images
-    (image extensions, in name order)."""
+    """One WebDataset sample: its text (``.txt``, else a ``.json``'s ``messages`` or ``text``)
+    and its images (image extensions, in name order)."""
+    text: str | list[Any] = ""
     if "txt" in parts:
         text = parts["txt"].decode("utf-8")
     elif "json" in parts:
-        text = json.loads(parts["json"]).get("text", "")
-    else:
-        text = ""
+        record = json.loads(parts["json"])
+        text = record["messages"] if "messages" in record else record.get("text", "")
+        if "messages" in record and not isinstance(text, list):
+            raise ValueError(f"sample {name}: 'messages' must be a list of turns, got {text!r:.60}")
     images = [parts[ext] for ext in sorted(parts) if "." + ext.rsplit(".", 1)[-1] in IMAGE_EXTS]
     return name, text, images
 
@@ -159,31 +165,48 @@ def source_files(path: Path) -> list[Path]:
 
 
 def tokenize(
-    raw: Raw, tokenizer: TextTokenizer, rules: ImageRules, ids: ImageTokens
-) -> tuple[list[int], torch.Tensor, list[tuple[int, int, int]]]:
-    """(token ids with placeholders, pixel values, grids); :class:`BadImage` for an image to
-    skip, ``ValueError`` when markers and images do not pair up."""
+    raw: Raw,
+    tokenizer: TextTokenizer,
+    rules: ImageRules,
+    ids: ImageTokens,
+    template: str | None = None,
+) -> tuple[list[int], list[bool] | None, torch.Tensor, list[tuple[int, int, int]]]:
+    """(token ids with placeholders, per token whether it trains (None: every token but the
+    placeholders; a chat sample: its assistant turns), pixel values, grids);
+    :class:`BadImage` for an image to skip, ``ValueError`` when markers and images do not pair
+    up or a chat sample is malformed. ``template``: the chat template (None: the default)."""
     name, text, images = raw
-    pieces = text.split(MARKER)
-    if len(pieces) - 1 != len(images):
+    chat = chat_messages(text, f"sample {name}") if isinstance(text, list) else None
+    found = markers(chat) if chat is not None else str(text).count(MARKER)
+    if found != len(images):
         raise ValueError(
-            f"sample {name}: {len(pieces) - 1} {MARKER} placeholders but {len(images)} images; "
+            f"sample {name}: {found} {MARKER} placeholders but {len(images)} images; "
             f"put one {MARKER} in the text where each image goes"
         )
-    patches, grids = [], []
+    patches, runs = [], []
+    grids: list[tuple[int, int, int]] = []
     for data in images:
         px, grid = patchify(decode(data, rules), rules)
         patches.append(px)
         grids.append(grid)
-    tokens = tokenizer.encode(pieces[0], bos=True, eos=False)
-    for piece, grid in zip(pieces[1:], grids, strict=True):
-        tokens += [ids.vision_start_id] if ids.vision_start_id is not None else []
-        tokens += [ids.image_token_id] * rules.tokens(grid)
-        tokens += [ids.vision_end_id] if ids.vision_end_id is not None else []
-        tokens += tokenizer.encode(piece, bos=False, eos=False)
-    tokens.append(tokenizer.eos_id)
+        runs.append(_placeholders(grid, rules, ids))
     pixels = torch.cat(patches) if patches else torch.zeros(0, rules.patch_dim)
-    return tokens, pixels, grids
+    if chat is not None:
+        # our tokenizers (tiktoken, Hugging Face) have the chat data's bos_id (chat_data.py)
+        tokens, train = chat_tokens(cast(ChatTokenizer, tokenizer), chat, template, iter(runs))
+        return tokens, train, pixels, grids
+    pieces = str(text).split(MARKER)
+    tokens = tokenizer.encode(pieces[0], bos=True, eos=False)
+    for piece, run in zip(pieces[1:], runs, strict=True):
+        tokens += run + tokenizer.encode(piece, bos=False, eos=False)
+    tokens.append(tokenizer.eos_id)
+    return tokens, None, pixels, grids
+
+
+def _placeholders(grid: tuple[int, int, int], rules: ImageRules, ids: ImageTokens) -> list[int]:
+    start = [ids.vision_start_id] if ids.vision_start_id is not None else []
+    end = [ids.vision_end_id] if ids.vision_end_id is not None else []
+    return start + [ids.image_token_id] * rules.tokens(grid) + end
 
 
 class VLMDataset(IterableDataset):
@@ -201,8 +224,10 @@ class VLMDataset(IterableDataset):
         dp_rank: int = 0,
         dp_world: int = 1,
         infinite: bool = False,
+        template: str | None = None,
     ) -> None:
         self.paths, self.tokenizer, self.seq_len = list(paths), tokenizer, seq_len
+        self.template = template  # chat samples' template (vlm_chat.py; None: the default)
         self.rules, self.ids = rules, ids
         self.dp_rank, self.dp_world, self.infinite = dp_rank, dp_world, infinite
         self.skipped: dict[str, int] = {}
@@ -235,7 +260,9 @@ class VLMDataset(IterableDataset):
     def sample(self, raw: Raw) -> VLMSample | None:
         """The padded row of one raw sample, or None when it is skipped (counted)."""
         try:
-            tokens, pixels, grids = tokenize(raw, self.tokenizer, self.rules, self.ids)
+            tokens, train, pixels, grids = tokenize(
+                raw, self.tokenizer, self.rules, self.ids, self.template
+            )
         except BadImage as e:
             self._skip("bad image", raw[0], str(e))
             return None
@@ -248,6 +275,10 @@ class VLMDataset(IterableDataset):
         t[: len(tokens)] = torch.tensor(tokens)
         labels = t[1:].clone()
         labels[labels == self.ids.image_token_id] = IGNORE_INDEX
+        if train is not None:  # a chat sample: its assistant turns only
+            trained = torch.zeros(self.seq_len, dtype=torch.bool)
+            trained[: len(tokens) - 1] = torch.tensor(train[1 : len(tokens)], dtype=torch.bool)
+            labels[~trained] = IGNORE_INDEX
         labels[len(tokens) - 1 :] = IGNORE_INDEX  # padding
         grid = torch.tensor(grids, dtype=torch.long).view(-1, 3)
         return VLMSample(t[:-1], labels, pixels, grid)
