@@ -1,4 +1,4 @@
-"""Chat-format image-text samples (``data/vlm_chat.py``; docs/vlm.md, "Data"): a ``messages``
+"""Chat-format image-text samples (``data/vlm_dataset.py``; docs/vlm.md, "Data"): a ``messages``
 column of parquet (content parts, the Hugging Face layout) and a tar shard's ``.json``
 (``<image>`` in string content) give the same row; with its placeholders taken out the row is
 exactly the chat SFT data's tokens and assistant-only labels (``data/chat_template.py``); the

@@ -1,6 +1,6 @@
 """The vision tower in the FLOPs per token, MFU, the planner and ``--job.explain``
-(``models/common/vision/flops.py``, ``planner/vision.py``; docs/vlm.md, "Planning"): the
-tower's count equal to torch's FLOP counter, the debug flavor's numbers by hand, the tower's
+(``models/common/vision/flops.py``, ``planner/lora_memory.py``, ``planner/explain.py``;
+docs/vlm.md, "Planning"): the tower's count equal to torch's FLOP counter, the debug flavor's numbers by hand, the tower's
 parameters no longer charged per text token, and the bad values of
 ``training.image_tokens_per_sample``."""
 

@@ -2,12 +2,19 @@
 
 Sources, local files only:
 
-* parquet: a ``text`` column and the images' encoded bytes in ``images`` (a list per row) or
-  ``image`` (one per row; either may also be a struct with a ``bytes`` field, the Hugging Face
-  datasets layout);
+* parquet: a ``text`` column (or a chat ``messages`` one) and the images' encoded bytes in
+  ``images`` (a list per row) or ``image`` (one per row; either may also be a struct with a
+  ``bytes`` field, the Hugging Face datasets layout);
 * WebDataset tar shards: members grouped by key (the name up to the first dot); the images are
   the members with an image extension (in name order), the text the ``.txt`` member (or the
-  ``text`` of a ``.json`` one).
+  ``messages`` or ``text`` of a ``.json`` one).
+
+**Chat samples**: ``messages``, a list of ``{"role", "content"}`` turns whose content is a
+string (``<image>`` where an image goes, the LLaVA convention) or a list of parts
+``{"type": "image"}`` / ``{"type": "text", "text": ...}`` (the Hugging Face datasets' layout).
+They are rendered as the chat SFT data renders them (``data/chat_template.py``: the tokenizer's
+Jinja template, else the default one) and train on the assistant turns only (content and
+end-of-turn tokens); an image's placeholders never train.
 
 In the text each ``<image>`` marks where an image goes; it becomes ``t * h * w / merge**2``
 placeholder ids (``image_token_id``; between ``vision_start_id`` and ``vision_end_id`` when
@@ -29,15 +36,22 @@ from typing import Any, cast
 import torch
 from torch.utils.data import IterableDataset
 
-from torchtitan.data.chat_template import ChatTokenizer
+from torchtitan.data.chat_template import (
+    ChatTokenizer,
+    _default_pieces,
+    _encode_with_specials,
+    _jinja_pieces,
+    validate_conversation,
+)
 from torchtitan.data.tokenizer import TextTokenizer
-from torchtitan.data.vlm_chat import MARKER, chat_messages, chat_tokens, markers
 from torchtitan.data.vlm_images import BadImage, ImageRules, decode, patchify
 from torchtitan.loss.chunked import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
+MARKER = "<image>"
 IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
 
+Message = dict[str, str]
 Raw = tuple[str, str | list[Any], list[bytes]]
 """(sample name for messages, text with markers or a chat ``messages`` list, encoded
 images)."""
@@ -164,6 +178,66 @@ def source_files(path: Path) -> list[Path]:
     return files
 
 
+def _part_text(part: Any, where: str, i: int) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "image":
+        return MARKER
+    if kind == "text":
+        return part.get("text") or ""
+    raise ValueError(
+        f"{where}: message {i} has a content part {str(part)[:60]!r}; image-text chat reads "
+        "parts of type 'text' (with 'text') and 'image'"
+    )
+
+
+def chat_messages(messages: Any, where: str) -> list[Message]:
+    """The validated turns, each content a string with :data:`MARKER` where its images go;
+    ``ValueError`` naming ``where`` otherwise."""
+    if not isinstance(messages, list):
+        raise ValueError(f"{where}: 'messages' must be a list of turns, got {str(messages)[:60]}")
+    turns = []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and isinstance(m.get("content"), list):
+            m = {**m, "content": "".join(_part_text(p, where, i) for p in m["content"])}
+        turns.append(m)
+    return validate_conversation({"messages": turns}, where)
+
+
+def chat_tokens(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[Message],
+    template: str | None,
+    images: Iterator[list[int]],
+) -> tuple[list[int], list[bool]]:
+    """Token ids of the rendered conversation with each marker replaced by the next of
+    ``images`` (an image's placeholder ids), and per token whether it is trained on."""
+    if template is None:
+        pieces = _default_pieces(messages)
+        ids: list[int] = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    else:
+        pieces, ids = _jinja_pieces(tokenizer, messages, template), []
+    train = [False] * len(ids)
+    for piece, trained in pieces:
+        if isinstance(piece, int):  # the default template's end of turn
+            ids.append(tokenizer.eos_id)
+            train.append(trained)
+            continue
+        for j, text in enumerate(piece.split(MARKER)):
+            if j:
+                run = next(images)
+                ids += run
+                train += [False] * len(run)
+            part = _encode_with_specials(tokenizer, text)
+            ids += part
+            train += [trained] * len(part)
+    return ids, train
+
+
+def markers(messages: Sequence[Message]) -> int:
+    """Image markers in the turns."""
+    return sum(m["content"].count(MARKER) for m in messages)
+
+
 def tokenize(
     raw: Raw,
     tokenizer: TextTokenizer,
@@ -227,7 +301,7 @@ class VLMDataset(IterableDataset):
         template: str | None = None,
     ) -> None:
         self.paths, self.tokenizer, self.seq_len = list(paths), tokenizer, seq_len
-        self.template = template  # chat samples' template (vlm_chat.py; None: the default)
+        self.template = template  # chat samples' template (None: the default)
         self.rules, self.ids = rules, ids
         self.dp_rank, self.dp_world, self.infinite = dp_rank, dp_world, infinite
         self.skipped: dict[str, int] = {}

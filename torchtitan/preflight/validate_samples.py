@@ -147,7 +147,7 @@ def validate_vlm(cfg: JobConfig) -> None:
 
 def _validate_image_tokens(cfg: JobConfig) -> None:
     """``training.image_tokens_per_sample``: from 0 to ``seq_len``, and only for a model with a
-    vision tower (it adds the tower's FLOPs to MFU: planner/vision.py)."""
+    vision tower (it adds the tower's FLOPs to MFU: models/common/vision/flops.py)."""
     n, t = cfg.training.image_tokens_per_sample, cfg.training
     field = "training.image_tokens_per_sample"
     if not 0 <= n <= t.seq_len:
