@@ -297,3 +297,21 @@ def test_ids_of_an_imported_config_json_reach_data_and_model(data: dict[str, Pat
     model.init_weights(seed=0)  # type: ignore[operator]
     logits = model(b["inputs"], pixel_values=b["pixel_values"], grid_thw=b["grid_thw"])
     assert logits.shape == (2, SEQ, 2048) and bool(logits.isfinite().all())
+
+
+def test_random_access_reads_the_samples_in_order(tmp_path: Path) -> None:
+    """``RawIndex`` over a tar shard and a parquet file (two row groups): sample ``i`` is the
+    ``i``-th of reading the files in order (names, texts, image bytes)."""
+    import pyarrow.parquet as pq
+
+    from torchtitan.data.vlm_dataset import read_source
+    from torchtitan.data.vlm_mixture import RawIndex
+
+    make_vlm_data.write(tmp_path, 5, seed=8, bad=False, oversized=400)
+    table = pq.read_table(tmp_path / "vlm.parquet")
+    pq.write_table(table, tmp_path / "groups.parquet", row_group_size=2)
+    files = [tmp_path / "vlm-000.tar", tmp_path / "groups.parquet"]
+    want = [raw for f in files for raw in read_source(f)]
+    index = RawIndex(files)
+    assert len(index) == len(want) == 10
+    assert [index.raw(i) for i in (9, 0, 4, 5, 6, 3)] == [want[i] for i in (9, 0, 4, 5, 6, 3)]

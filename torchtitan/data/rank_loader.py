@@ -48,7 +48,7 @@ def rank_dataloader(
     if dataset == "vlm":  # image-text samples (docs/vlm.md)
         return vlm_dataloader(t, sft, dataset_path, tokenizer, dp_mesh, infinite, model_args)
     if uses_images(t, dataset):  # image-text and text sources at weights (docs/vlm.md)
-        return vlm_mixture_dataloader(t, sft, tokenizer, dp_mesh, seed, model_args)
+        return vlm_mixture_dataloader(t, sft, tokenizer, dp_mesh, seed, model_args, shard)
     return build_data_loader(
         dataset=dataset,
         dataset_path=dataset_path,
@@ -135,9 +135,11 @@ def vlm_mixture_dataloader(
     dp_mesh: DeviceMesh,
     seed: int,
     model_args: Any,
+    shard: tuple[int, int] | None = None,
 ) -> ParallelAwareDataloader:
     """A ``mixture`` with ``dataset = "vlm"`` sources: image-text samples and text windows at
-    the tables' weights, rows of :class:`VLMMixtureDataset` (``data/vlm_mixture.py``)."""
+    the tables' weights, rows of :class:`VLMMixtureDataset` (``data/vlm_mixture.py``), for
+    ``shard`` (data rank, data world) or ``dp_mesh``'s rank (window sharding, as text mixtures)."""
     t, rules, ids = training, image_rules(model_args), image_tokens(model_args)
     opts = DataOptions(t.tokenized_shuffle, seed, t.mixture, t.mixture_exhausted)
     sources: list[Any] = []
@@ -149,7 +151,7 @@ def vlm_mixture_dataloader(
         builder = VLMDataset([], tokenizer, t.seq_len, rules, ids, template=template)
         index = RawIndex(source_files(Path(src.path)))
         sources.append(ImageTextSource(source_label(src), index, builder, t.mixture_exhausted))
-    rank, world = dp_mesh.get_local_rank(), dp_mesh.size()
+    rank, world = shard if shard else (dp_mesh.get_local_rank(), dp_mesh.size())
     weights = [s.weight for s in t.mixture]
     data = VLMMixtureDataset(sources, weights, t.seq_len, rules.patch_dim, rank, world)
     batch = training.local_batch_size

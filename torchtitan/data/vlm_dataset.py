@@ -148,11 +148,12 @@ def read_tar(path: Path) -> Iterator[Raw]:
     groups = tar_groups(path)
     with tarfile.open(path) as tar:
         for key, members in groups.items():
-            parts = {ext: _member_bytes(tar, m) for ext, m in members.items()}
+            parts = {ext: member_bytes(tar, m) for ext, m in members.items()}
             yield tar_raw(f"{path}:{key}", parts)
 
 
-def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+def member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    """The content of ``member`` (read at its offset in ``tar``)."""
     f = tar.extractfile(member)
     return b"" if f is None else f.read()
 

@@ -29,7 +29,7 @@ from torchtitan.data.vlm_dataset import (
     Raw,
     VLMDataset,
     VLMSample,
-    _member_bytes,
+    member_bytes,
     parquet_rows,
     tar_groups,
     tar_raw,
@@ -72,7 +72,7 @@ class _Tar:
     def raw(self, i: int) -> Raw:
         key, members = self.groups[i]
         with tarfile.open(self.path) as tar:
-            parts = {ext: _member_bytes(tar, m) for ext, m in members.items()}
+            parts = {ext: member_bytes(tar, m) for ext, m in members.items()}
         return tar_raw(f"{self.path}:{key}", parts)
 
 
