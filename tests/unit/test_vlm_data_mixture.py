@@ -187,13 +187,18 @@ def test_the_runs_image_token_ids_reach_the_data(data: dict[str, Path]) -> None:
     assert torch.equal(mine["pixel_values"], flavor["pixel_values"])
 
 
-def test_text_rows_have_plain_positions() -> None:
-    """A text row's MRoPE positions are its plain positions in all three rows."""
+def test_text_rows_have_plain_positions(data: dict[str, Path]) -> None:
+    """In a batch of image-text and text rows (1 : 1), the MRoPE positions of each text row
+    are its plain positions in all three rows, and an image row's are not."""
     from torchtitan.models.common.vision.positions import mrope_positions
 
-    tokens = torch.tensor([[5, 6, 7, 8, 9]])
-    pos = mrope_positions(tokens, 2047, torch.zeros(0, 3, dtype=torch.long), 2)
-    assert torch.equal(pos, torch.arange(5).expand(3, 1, 5))
+    b = next(iter(_loader(data, weights=(1.0, 1.0), batch=4)))
+    pos = mrope_positions(b["inputs"], ARGS.image_token_id, b["grid_thw"], 2)
+    plain = torch.arange(SEQ).expand(3, SEQ)
+    kinds = [_is_text_row(i, lab) for i, lab in zip(b["inputs"], b["labels"], strict=True)]
+    assert kinds == [False, True, False, True]
+    assert all(torch.equal(pos[:, r], plain) for r in (1, 3))
+    assert not torch.equal(pos[:, 0], plain)  # row 0 holds an image
 
 
 def test_image_text_source_refused_without_samples(tmp_path: Path, data: dict[str, Path]) -> None:
