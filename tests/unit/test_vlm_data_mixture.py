@@ -250,15 +250,37 @@ def test_bad_image_text_mixture_is_one_config_error(
 
 def test_trainer_trains_on_an_image_text_mixture(tmp_path: Path, data: dict[str, Path]) -> None:
     """Three steps of ``qwen3_5_vl debugmodel`` through the trainer on image-text and text
-    rows at 1 : 1: it runs, logs each source's tokens, and the loss is finite and falls."""
+    rows at 1 : 1, the image-text rows chat samples (a folder whose first file is a chat
+    parquet, then a captions one): it runs, logs each source's tokens, and the loss falls."""
+    import random
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from tests.parity import read_jsonl
     from torchtitan.train import main
 
-    assert main(_mixture_toml(tmp_path, str(data["images"]), data["text"])) == 0
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rng = random.Random(0)
+    pngs = [make_vlm_data.png(rng) for _ in range(4)]
+    chats = [
+        [
+            {"role": "user", "content": [{"type": "image", "text": None},
+                                         {"type": "text", "text": "Which colour?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": f"It is {colour}."}]},
+        ]
+        for _, colour in pngs
+    ]  # fmt: skip
+    table = pa.table({"messages": chats, "images": [[png] for png, _ in pngs]})
+    pq.write_table(table, folder / "a_chat.parquet")
+    shutil.copy(data["images"], folder / "b_captions.parquet")
+    assert main(_mixture_toml(tmp_path, str(folder), data["text"])) == 0
     rows = read_jsonl(tmp_path / "out" / "metrics" / "rank_0.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
-    assert rows[-1]["data/tokens_vlm.parquet"] == rows[-1]["data/tokens_part-0.jsonl"] == 3 * SEQ
+    assert rows[-1]["data/tokens_images"] == rows[-1]["data/tokens_part-0.jsonl"] == 3 * SEQ
 
 
 def test_ids_of_an_imported_config_json_reach_data_and_model(data: dict[str, Path]) -> None:
