@@ -226,3 +226,18 @@ def test_flex_with_ring_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError) as e:
         validate_features.validate_attention(ring, 2)
     assert e.value.field == "model.attn_backend" and "allgather" in e.value.fix
+
+
+def test_cp_documents_unknown_kernel_is_one_line_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/cp_documents.py --kernels: a name it does not time is one line, exit 2."""
+    from tests.script_loader import load
+
+    bench = load("benchmarks/cp_documents.py", "cp_documents_bench")
+    monkeypatch.setattr("sys.argv", ["cp_documents.py", "--kernels", "sdpa,flex"])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "['flex'] unknown" in err[0] and "flex_fwd" in err[0], err
