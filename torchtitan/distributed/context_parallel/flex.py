@@ -8,7 +8,8 @@ once per forward of a layer, in ``O(blocks^2)`` (no ``Lq x S`` mask is materiali
 * the queries are visited in (document, position) order, so a tile of ``block`` queries holds
   few documents, whatever the load balancer's order; the keys stay in sequence order;
 * a (query tile, key tile) pair is **skipped** when no query of the tile can see a key of the
-  tile: their document id ranges do not overlap, or every key comes after every query;
+  tile: their document id ranges do not overlap, or every key comes after every query in
+  (document, position) order;
 * it is **full** (computed without a mask) when both tiles lie in one and the same document and
   every key is at or before every query;
 * otherwise it is **partial**: ``mask_mod`` decides per element, with the rule of
@@ -88,13 +89,17 @@ def document_block_mask(
     (:func:`flex_document_attention` pads)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    # (document, position) as one number: a visible pair has key <= query in it too, and it
+    # orders documents, so tiles spanning several documents stay tight (per-document positions)
+    _, qk_hi = _tile_stats(q_doc.long() * 2**32 + q_pos, block)
+    kk_lo, _ = _tile_stats(k_doc.long() * 2**32 + k_pos, block)
     q_lo, q_hi = _tile_stats(q_doc, block)
     k_lo, k_hi = _tile_stats(k_doc, block)
-    qp_lo, qp_hi = _tile_stats(q_pos, block)
-    kp_lo, kp_hi = _tile_stats(k_pos, block)
-    q_lo, q_hi, qp_lo, qp_hi = (t[:, :, None] for t in (q_lo, q_hi, qp_lo, qp_hi))
-    k_lo, k_hi, kp_lo, kp_hi = (t[:, None, :] for t in (k_lo, k_hi, kp_lo, kp_hi))
-    maybe = (q_lo <= k_hi) & (k_lo <= q_hi) & (kp_lo <= qp_hi)  # [B, nq, nk]
+    qp_lo, _ = _tile_stats(q_pos, block)
+    _, kp_hi = _tile_stats(k_pos, block)
+    q_lo, q_hi, qp_lo, qk_hi = (t[:, :, None] for t in (q_lo, q_hi, qp_lo, qk_hi))
+    k_lo, k_hi, kp_hi, kk_lo = (t[:, None, :] for t in (k_lo, k_hi, kp_hi, kk_lo))
+    maybe = (q_lo <= k_hi) & (k_lo <= q_hi) & (kk_lo <= qk_hi)  # [B, nq, nk]
     one_doc = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
     full = one_doc & (kp_hi <= qp_lo)
     partial = maybe & ~full
