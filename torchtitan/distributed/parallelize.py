@@ -68,6 +68,8 @@ def parallelize(
             n_rep=cp.kv_repeat,
             method=par.context_parallel_method,
             document_mask=cfg.model.attn_mask_type == "block_causal",
+            # auto is sdpa under CP (models/common/attention.py: resolve_attn_backend)
+            attn_backend="flex" if cfg.model.attn_backend == "flex" else "sdpa",
         )
     ac = cfg.activation_checkpoint
     apply_ac(blocks, ac.mode, ac.selective_ac_option)

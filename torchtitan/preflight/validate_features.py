@@ -294,13 +294,13 @@ def validate_attention(cfg: JobConfig, cp: int) -> None:
             "FlexAttention needs CUDA here: torch 2.13 has no FlexAttention backward on CPU",
             "use auto or sdpa (the exact dense-mask path)",
         )
-    if m.attn_backend == "flex" and cp > 1:
+    if m.attn_backend == "flex" and cp > 1 and cfg.parallelism.context_parallel_method == "ring":
         raise ConfigError(
             "model.attn_backend",
             "flex",
-            "context parallel's all-gather attention masks with SDPA (the model's mask at "
-            "global positions), so a block mask would be built and never used",
-            "use auto (sdpa under context parallel) or sdpa",
+            "FlexAttention under context parallel is built for the allgather method only (the "
+            "ring's steps attend with SDPA)",
+            "use --parallelism.context_parallel_method allgather, or model.attn_backend sdpa",
         )
     if cfg.parallelism.context_parallel_load_balancer == "document" and not block:
         raise ConfigError(

@@ -164,7 +164,10 @@ class Trainer:
         self.spec = MODELS[cfg.model.name]
         backend = resolve_attn_backend(cfg.model.attn_backend, self.device.type, dims.cp_enabled)
         # the flavor, an HF folder's RoPE/window settings, model.moe_* and model.mtp_*
-        self.model_args = run_args(cfg, self.tokenizer.vocab_size, backend)
+        # Under CP the all-gather core runs the kernel over the gathered keys (apply_cp gets
+        # the backend): the model builds no BlockMask of its local tokens.
+        model_backend = "sdpa" if dims.cp_enabled else backend
+        self.model_args = run_args(cfg, self.tokenizer.vocab_size, model_backend)
         model = build_meta_model(cfg, self.spec, self.model_args, dims, self.device)
         loss_fn = build_loss_fn(cfg.compile, cfg.job.dump_folder, dims)
         self.param_dtype = dist_utils.resolve_dtype(
