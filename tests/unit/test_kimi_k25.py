@@ -1,0 +1,163 @@
+"""Kimi K2.5 (``models/kimi_k25/``, ``models/common/vision/moonvit.py``; docs/vlm.md) against
+transformers' ``Kimi_K25ForConditionalGeneration`` on a tiny random config (fp32, CPU): logits
+and every gradient (tower and projector included) with three images of different grids; the
+export read by transformers; the config routing and the bad inputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchtitan.checkpoint.storage import read_hf_folder
+from torchtitan.config.errors import ConfigError
+from torchtitan.models import MODELS, family_for_hf_config
+from torchtitan.models.common.moe import MoE
+from torchtitan.models.common.vision.moonvit import MoonViTArgs
+
+IMAGE = 250
+TEXT = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=32,
+    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_group=1,
+    topk_group=1, max_position_embeddings=64,
+)  # fmt: skip
+VISION = dict(
+    patch_size=4, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4, num_attention_heads=2,
+    num_hidden_layers=2, hidden_size=32, intermediate_size=48, merge_kernel_size=[2, 2],
+)  # fmt: skip
+GRIDS = torch.tensor([[1, 4, 6], [1, 8, 4], [1, 2, 2]])  # 6, 8 and 1 merged tokens
+
+
+def _tokens() -> torch.Tensor:
+    """Row 0: text, image 0, text, image 1, text; row 1: text, image 2, text (32 tokens)."""
+    t = torch.randint(0, 240, (2, 32), generator=torch.Generator().manual_seed(0))
+    t[0, 3:9] = IMAGE
+    t[0, 13:21] = IMAGE
+    t[1, 5] = IMAGE
+    return t
+
+
+def _pixels() -> torch.Tensor:
+    n = int(GRIDS.prod(-1).sum())
+    return torch.randn(n, 3 * 4 * 4, generator=torch.Generator().manual_seed(1))
+
+
+def _hf_model(tie: bool = False) -> Any:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Kimi_K25Config(
+        text_config=TEXT, vision_config=VISION, projection_hidden_size=32,
+        image_token_id=IMAGE, video_token_id=251, vision_start_token_id=252,
+        vision_end_token_id=253, tie_word_embeddings=tie,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    model = transformers.Kimi_K25ForConditionalGeneration(config)
+    with torch.no_grad():  # non-trivial norms, biases, routing biases and position table
+        gen = torch.Generator().manual_seed(6)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model.float()
+
+
+def _hf_logits(hf: Any, tokens: torch.Tensor) -> torch.Tensor:
+    pixels = _pixels().view(-1, 3, 4, 4)
+    return hf(input_ids=tokens, pixel_values=pixels, image_grid_thw=GRIDS).logits
+
+
+def _import(folder: Path) -> tuple[Any, Any]:
+    config, hf_sd = read_hf_folder(folder)
+    family, args = family_for_hf_config(config)
+    assert family == "kimi_k25"
+    spec = MODELS[family]
+    ours = spec.build(args)
+    ours.load_state_dict(spec.state_dict_adapter(args).from_hf(hf_sd), strict=True)
+    ours.init_buffers()  # type: ignore[operator]
+    for m in ours.modules():
+        if isinstance(m, MoE):  # transformers adds no auxiliary loss
+            m.args = type(m.args)(**{**m.args.__dict__, "aux_loss_coef": 0.0})
+    return args, ours.float()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def test_forward_backward_equal_transformers(tmp_path: Path) -> None:
+    """A transformers model saved by ``save_pretrained`` and read back (config.json -> our
+    args, weights through the adapter): logits and every gradient (tower and projector
+    included) within 1e-5 relative. The gradients are compared in the saved layout: the
+    transformers model's gradients written by its own ``save_pretrained``."""
+    hf = _hf_model()
+    hf.save_pretrained(tmp_path / "weights")
+    args, ours = _import(tmp_path / "weights")
+    assert args.vision == MoonViTArgs(
+        depth=2, dim=32, n_heads=2, intermediate_size=48, out_dim=64, patch_size=4,
+        pos_emb_height=4, pos_emb_width=4,
+    )  # fmt: skip
+    assert args.image_token_id == IMAGE and not args.tie_word_embeddings and args.mtp_depth == 0
+    hf.train()
+    tokens = _tokens()
+    ours_logits = ours(tokens, pixel_values=_pixels(), grid_thw=GRIDS)
+    hf_logits = _hf_logits(hf, tokens)
+    assert _rel(ours_logits, hf_logits) <= 1e-5, _rel(ours_logits, hf_logits)
+    ours_logits.square().mean().backward()
+    hf_logits.square().mean().backward()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.grad)
+    hf.save_pretrained(tmp_path / "grads")
+    _, hf_sd = read_hf_folder(tmp_path / "grads")
+    hf_grads = MODELS["kimi_k25"].state_dict_adapter(args).from_hf(hf_sd)
+    worst = 0.0
+    for name, p in ours.named_parameters():
+        assert p.grad is not None and bool(p.grad.any()), name
+        worst = max(worst, _rel(p.grad, hf_grads[name]))
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in hf.parameters()) == args.num_params()
+    assert worst <= 1e-5, worst
+
+
+def test_export_round_trips_and_transformers_reads_it(tmp_path: Path) -> None:
+    """Ours written as a Hugging Face folder (tied head): transformers' model has our logits;
+    the state dict round-trips bit for bit; the streamed read of every tensor equals the whole
+    one."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    _hf_model(tie=True).save_pretrained(tmp_path / "a")
+    args, ours = _import(tmp_path / "a")
+    assert args.tie_word_embeddings
+    adapter = MODELS["kimi_k25"].state_dict_adapter(args)
+    sd = dict(ours.state_dict())
+    exported = adapter.to_hf(sd)
+    back = adapter.from_hf(exported)
+    assert all(torch.equal(back[k], v) for k, v in sd.items())
+    out = tmp_path / "b"
+    out.mkdir()
+    save_file(exported, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(adapter.hf_config()))
+    again = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(
+        out, dtype=torch.float32
+    )
+    tokens = _tokens()
+    with torch.no_grad():
+        diff = _rel(ours(tokens, pixel_values=_pixels(), grid_thw=GRIDS), _hf_logits(again, tokens))
+    assert diff <= 1e-5, diff
+
+    class Source:
+        def __contains__(self, name: object) -> bool:
+            return name in exported
+
+        def shape(self, name: str) -> tuple[int, ...]:
+            return tuple(exported[name].shape)
+
+        def read(self, name: str, box: Any) -> torch.Tensor:
+            return exported[name][box]
+
+    for key, full in sd.items():
+        box = tuple(slice(1 if n > 1 else 0, n) for n in full.shape)
+        assert torch.equal(adapter.from_hf_box(key, tuple(full.shape), box, Source()), full[box])
