@@ -140,9 +140,7 @@ def test_export_round_trips_and_transformers_reads_it(tmp_path: Path) -> None:
     out.mkdir()
     save_file(exported, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(adapter.hf_config()))
-    again = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(
-        out, dtype=torch.float32
-    )
+    again = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(out, dtype=torch.float32)
     tokens = _tokens()
     with torch.no_grad():
         diff = _rel(ours(tokens, pixel_values=_pixels(), grid_thw=GRIDS), _hf_logits(again, tokens))
@@ -161,3 +159,122 @@ def test_export_round_trips_and_transformers_reads_it(tmp_path: Path) -> None:
     for key, full in sd.items():
         box = tuple(slice(1 if n > 1 else 0, n) for n in full.shape)
         assert torch.equal(adapter.from_hf_box(key, tuple(full.shape), box, Source()), full[box])
+
+
+REMOTE_CONFIG = {
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "media_placeholder_token_id": IMAGE,
+    "tie_word_embeddings": False,
+    "use_unified_vision_chunk": True,
+    "video_placeholder": "<|kimi_k25_video_placeholder|>",
+    "video_token_id": 251,
+    "vision_start_token_id": 252,
+    "vision_end_token_id": 253,
+    "text_config": {
+        **TEXT, "model_type": "kimi_k2", "num_nextn_predict_layers": 0,
+        "routed_scaling_factor": 2.5,
+    },
+    "vision_config": {
+        "vt_hidden_size": 32, "vt_num_hidden_layers": 2, "vt_num_attention_heads": 2,
+        "vt_intermediate_size": 48, "mm_hidden_size": 32, "text_hidden_size": 64,
+        "patch_size": 4, "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool",
+        "mm_projector_type": "patchmerger", "projector_hidden_act": "gelu",
+        "projector_ln_eps": 1e-5, "video_attn_type": "spatial_temporal",
+        "pos_emb_type": "divided_fixed", "init_pos_emb_height": 4, "init_pos_emb_width": 4,
+        "init_pos_emb_time": 4,
+    },
+}  # fmt: skip
+"""The published checkpoints' remote-code layout of ``config.json`` (tiny sizes)."""
+
+
+def test_remote_code_config_routes_to_the_same_args(tmp_path: Path) -> None:
+    """The published (remote-code) ``config.json`` and transformers' own give equal args."""
+    _hf_model().save_pretrained(tmp_path)
+    config, _ = read_hf_folder(tmp_path)
+    family, theirs = family_for_hf_config(REMOTE_CONFIG)
+    assert family == "kimi_k25"
+    assert theirs == family_for_hf_config(config)[1]
+    assert MODELS["kimi_k25"].hf.config.check_keys(REMOTE_CONFIG) == []  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("vision", "field"),
+    [
+        ({"merge_type": "sd2"}, "vision_config.merge_type"),
+        ({"mm_hidden_size": 16}, "vision_config.mm_hidden_size"),
+        ({"vt_hidden_size": 30}, "vision_config.hidden_size"),
+        ({"init_pos_emb_width": 8}, "vision_config.pos_emb_width"),
+        ({"deepstack": [1]}, "vision_config.deepstack"),
+    ],
+)
+def test_bad_vision_config_is_one_line(vision: dict[str, Any], field: str) -> None:
+    config = {**REMOTE_CONFIG, "vision_config": {**REMOTE_CONFIG["vision_config"], **vision}}
+    with pytest.raises(ConfigError) as err:
+        family_for_hf_config(config)
+    assert field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_multi_token_prediction_and_a_foreign_placeholder_are_refused() -> None:
+    from tests.tiny_args import tiny_kimi_k25
+
+    with pytest.raises(ConfigError, match="model.mtp_depth"):
+        tiny_kimi_k25(mtp_depth=1)
+    with pytest.raises(ConfigError, match="image_token_id"):
+        tiny_kimi_k25(vocab_size=128)
+
+
+def test_a_batch_without_images_runs_the_tower_on_nothing() -> None:
+    """Empty ``pixel_values`` / ``grid_thw`` (a rank whose samples have no image): the tower
+    and projector run on zero patches (every FSDP rank runs its units), the logits equal the
+    text-only forward, and backward reaches the tower with zero gradients."""
+    from tests.tiny_args import tiny_kimi_k25
+
+    model = MODELS["kimi_k25"].build(tiny_kimi_k25())
+    model.init_weights(seed=0)  # type: ignore[operator]
+    tokens = torch.randint(0, 240, (2, 16), generator=torch.Generator().manual_seed(0))
+    empty = torch.zeros(0, 3 * 4 * 4)
+    logits = model(tokens, pixel_values=empty, grid_thw=torch.zeros(0, 3, dtype=torch.long))
+    assert torch.equal(logits, model(tokens))
+    logits.square().mean().backward()
+    for name in ("vision_tower.encoder.blocks.0.wqkv.weight", "mm_projector.proj.0.weight"):
+        grad = model.get_parameter(name).grad
+        assert grad is not None and not bool(grad.any()), name
+
+
+def test_placeholders_and_images_must_agree() -> None:
+    from tests.tiny_args import tiny_kimi_k25
+
+    model = MODELS["kimi_k25"].build(tiny_kimi_k25())
+    model.init_weights(seed=0)  # type: ignore[operator]
+    tokens = torch.full((1, 8), 7)
+    tokens[0, 2:4] = IMAGE
+    with pytest.raises(ValueError, match="no pixel_values"):
+        model(tokens)
+    one = torch.zeros(4, 3 * 4 * 4)  # a 2 x 2 grid: one merged token for two placeholders
+    with pytest.raises(ValueError, match="2 image placeholder tokens but 1") as err:
+        model(tokens, pixel_values=one, grid_thw=torch.tensor([[1, 2, 2]]))
+    assert "\n" not in str(err.value)
+
+
+def test_plan_gives_the_tower_its_own_fsdp_units_and_refuses_model_parallel() -> None:
+    args = MODELS["kimi_k25"].flavors["debugmodel"]
+    plan = MODELS["kimi_k25"].parallel_plan(args)
+    assert plan.fsdp_units == (
+        "vision_tower.encoder.blocks.0",
+        "vision_tower.encoder.blocks.1",
+        "vision_tower",
+        "mm_projector",
+    )
+    assert set(plan.refusals) == {"tensor_parallel", "pipeline_parallel", "context_parallel"}
+    model = MODELS["kimi_k25"].build(args)
+    assert all(model.get_submodule(path) is not None for path in plan.fsdp_units)
+
+
+def test_published_flavor_counts() -> None:
+    """The 1T flavor: 1.03T parameters, 33.3B active per token (32.9B in the decoder, the
+    0.47B MoonViT and projector)."""
+    args = MODELS["kimi_k25"].flavors["1T"]
+    assert round(args.num_params() / 1e9) == 1027
+    assert round(args.num_params(active=True) / 1e9, 1) == 33.3
+    assert round(args.vision.num_params() / 1e9, 2) == 0.47

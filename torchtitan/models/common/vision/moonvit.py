@@ -162,7 +162,7 @@ def pair_rope_angles(grid_thw: torch.Tensor, head_dim: int, theta: float) -> tor
 def rotate_pairs(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """``x`` ``[N, H, Dh]`` with channels ``(2i, 2i + 1)`` rotated by ``angles[:, i]`` (float32
     math, ``x``'s dtype out)."""
-    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], x.shape[-1] // 2, 2))
     turned = pairs * torch.polar(torch.ones_like(angles), angles)[:, None]
     return torch.view_as_real(turned).flatten(-2).type_as(x)
 
@@ -202,11 +202,19 @@ class MoonViTBlock(nn.Module):
         for qs, ks, vs in zip(*(t.split(lengths) for t in (q, k, v)), strict=True):
             o = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (qs, ks, vs)))
             outs.append(o.transpose(0, 1))
-        return self.wo((torch.cat(outs) if outs else v).reshape(n, -1))
+        return self.wo((torch.cat(outs) if outs else v).reshape(n, self.n_heads * self.head_dim))
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         h = x + self.attend(self.norm0(x), angles, lengths)
         return h + self.mlp(self.norm1(h))
+
+
+class PositionTable(nn.Module):
+    """The learned ``[height, width, dim]`` table (``pos_emb.weight``)."""
+
+    def __init__(self, a: MoonViTArgs) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(a.pos_emb_height, a.pos_emb_width, a.dim))
 
 
 class PatchEmbed(nn.Module):
@@ -216,8 +224,7 @@ class PatchEmbed(nn.Module):
         super().__init__()
         self.shape = (a.in_channels, a.patch_size, a.patch_size)
         self.proj = nn.Conv2d(a.in_channels, a.dim, a.patch_size, stride=a.patch_size)
-        self.pos_emb = nn.Module()
-        self.pos_emb.weight = nn.Parameter(torch.empty(a.pos_emb_height, a.pos_emb_width, a.dim))
+        self.pos_emb = PositionTable(a)
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         x = self.proj(pixels.reshape(-1, *self.shape).to(self.proj.weight.dtype)).flatten(1)
