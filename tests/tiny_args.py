@@ -133,13 +133,14 @@ def tiny_kimi_k25(**extra: Any) -> Any:
     from torchtitan.models.common.vision.moonvit import MoonViTArgs
     from torchtitan.models.kimi_k25 import KimiK25Args
 
+    image_token_id = extra.pop("image_token_id", 250)
     text = tiny_deepseek_v3(**{"tie_word_embeddings": False, **extra})
     tower = MoonViTArgs(
         depth=2, dim=32, n_heads=2, intermediate_size=48, out_dim=text.dim, patch_size=4,
         pos_emb_height=4, pos_emb_width=4,
     )  # fmt: skip
     fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(text)}
-    return KimiK25Args(**fields, vision=tower, image_token_id=250)
+    return KimiK25Args(**fields, vision=tower, image_token_id=image_token_id)
 
 
 def tiny_hf_cases() -> dict[str, tuple[str, Any]]:

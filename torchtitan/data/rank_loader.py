@@ -17,6 +17,7 @@ from torchtitan.data.dataloader import ParallelAwareDataloader
 from torchtitan.data.tokenizer import AnyTokenizer
 from torchtitan.data.vlm_dataset import ImageTokens, VLMDataset, collate, source_files
 from torchtitan.data.vlm_images import ImageRules
+from torchtitan.data.vlm_navit import NavitRules
 
 
 def rank_dataloader(
@@ -100,7 +101,11 @@ def vlm_dataloader(
     (``vlm_dataset.py: collate``)."""
     assert path is not None  # preflight requires a dataset_path for "vlm"
     v = model_args.vision
-    rules = ImageRules(v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
+    rules: ImageRules | NavitRules = (
+        NavitRules(v.patch_size, v.spatial_merge_size)
+        if getattr(v, "processor", "qwen") == "navit"  # MoonViT (Kimi K2.5)
+        else ImageRules(v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
+    )
     ids = ImageTokens(model_args.image_token_id)
     rank, world = dp_mesh.get_local_rank(), dp_mesh.size()
     data = VLMDataset(

@@ -30,7 +30,8 @@ import torch
 from torch.utils.data import IterableDataset
 
 from torchtitan.data.tokenizer import TextTokenizer
-from torchtitan.data.vlm_images import BadImage, ImageRules, decode, patchify
+from torchtitan.data.vlm_images import BadImage, ImageRules
+from torchtitan.data.vlm_navit import NavitRules
 from torchtitan.loss.chunked import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
@@ -120,8 +121,13 @@ def source_files(path: Path) -> list[Path]:
     return files
 
 
+Rules = ImageRules | NavitRules
+"""How a tower's images become patches: Qwen-VL's (``vlm_images.py``) or MoonViT's
+(``vlm_navit.py``)."""
+
+
 def tokenize(
-    raw: Raw, tokenizer: TextTokenizer, rules: ImageRules, ids: ImageTokens
+    raw: Raw, tokenizer: TextTokenizer, rules: Rules, ids: ImageTokens
 ) -> tuple[list[int], torch.Tensor, list[tuple[int, int, int]]]:
     """(token ids with placeholders, pixel values, grids); :class:`BadImage` for an image to
     skip, ``ValueError`` when markers and images do not pair up."""
@@ -134,7 +140,7 @@ def tokenize(
         )
     patches, grids = [], []
     for data in images:
-        px, grid = patchify(decode(data, rules), rules)
+        px, grid = rules.encode(data)
         patches.append(px)
         grids.append(grid)
     tokens = tokenizer.encode(pieces[0], bos=True, eos=False)
@@ -144,11 +150,7 @@ def tokenize(
         tokens += [ids.vision_end_id] if ids.vision_end_id is not None else []
         tokens += tokenizer.encode(piece, bos=False, eos=False)
     tokens.append(tokenizer.eos_id)
-    pixels = (
-        torch.cat(patches)
-        if patches
-        else torch.zeros(0, 3 * rules.temporal_patch_size * rules.patch_size**2)
-    )
+    pixels = torch.cat(patches) if patches else torch.zeros(0, rules.patch_dim)
     return tokens, pixels, grids
 
 
@@ -162,7 +164,7 @@ class VLMDataset(IterableDataset):
         paths: Sequence[Path],
         tokenizer: TextTokenizer,
         seq_len: int,
-        rules: ImageRules,
+        rules: Rules,
         ids: ImageTokens,
         dp_rank: int = 0,
         dp_world: int = 1,

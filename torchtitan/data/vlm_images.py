@@ -47,6 +47,15 @@ class ImageRules:
         t, h, w = grid
         return t * h * w // self.merge_size**2
 
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
+    def encode(self, data: bytes) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Encoded image bytes -> (patches, grid) by these rules; :class:`BadImage` for what is
+        skipped (another tower's rules: ``vlm_navit.py: NavitRules``)."""
+        return patchify(decode(data, self), self)
+
 
 def smart_resize(
     height: int, width: int, factor: int, min_pixels: int, max_pixels: int

@@ -98,7 +98,7 @@ def _validate_source(cfg: JobConfig, field: str, path: str | None) -> None:
         raise ConfigError(field, path, str(e), fix) from e
 
 
-VLM_MODELS = ("qwen3_5_vl",)
+VLM_MODELS = ("qwen3_5_vl", "kimi_k25")
 
 
 def validate_vlm(cfg: JobConfig) -> None:
@@ -126,7 +126,7 @@ def validate_vlm(cfg: JobConfig) -> None:
             "vlm",
             f"image-text data needs a model with a vision tower (one of {list(VLM_MODELS)}), "
             f"not {cfg.model.name!r}",
-            "set --model.name qwen3_5_vl (docs/vlm.md)",
+            "set --model.name qwen3_5_vl or kimi_k25 (docs/vlm.md)",
         )
     path = t.dataset_path
     try:
