@@ -237,7 +237,11 @@ def test_a_batch_without_images_runs_the_tower_on_nothing() -> None:
     logits = model(tokens, pixel_values=empty, grid_thw=torch.zeros(0, 3, dtype=torch.long))
     assert torch.equal(logits, model(tokens))
     logits.square().mean().backward()
-    for name in ("vision_tower.encoder.blocks.0.wqkv.weight", "mm_projector.proj.0.weight"):
+    for name in (
+        "vision_tower.patch_embed.pos_emb.weight",
+        "vision_tower.encoder.blocks.0.wqkv.weight",
+        "mm_projector.proj.0.weight",
+    ):
         grad = model.get_parameter(name).grad
         assert grad is not None and not bool(grad.any()), name
 

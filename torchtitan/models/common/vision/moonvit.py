@@ -140,7 +140,9 @@ def bicubic_positions(table: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tens
             time = time_sinusoid(t, table.shape[-1]).to(pos)
             pos = pos + time.repeat_interleave(h * w, dim=0)
         out.append(pos)
-    return torch.cat(out) if out else table.new_zeros(0, table.shape[-1])
+    # no image on this rank: an empty slice of the table, so that it still joins the backward
+    # (FSDP reduces the tower's gradients on every rank alike)
+    return torch.cat(out) if out else table.flatten(0, 1)[:0]
 
 
 def pair_rope_angles(grid_thw: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
