@@ -282,3 +282,22 @@ def test_published_flavor_counts() -> None:
     assert round(args.num_params() / 1e9) == 1027
     assert round(args.num_params(active=True) / 1e9, 1) == 33.3
     assert round(args.vision.num_params() / 1e9, 2) == 0.47
+
+
+@pytest.mark.parametrize(
+    "degree",
+    [
+        "--parallelism.tensor_parallel_degree",
+        "--parallelism.pipeline_parallel_degree",
+        "--parallelism.context_parallel_degree",
+    ],
+)
+def test_model_parallel_layouts_are_refused_in_one_line(degree: str, tmp_path: Path) -> None:
+    """TP, PP and CP of kimi_k25 are a one-line config error (exit 2 from the entry points)."""
+    from tests.unit.test_estimator import BASE
+    from torchtitan.preflight.validate import load_config
+
+    argv = [*BASE, "--model.name", "kimi_k25", "--job.dump_folder", str(tmp_path), degree, "2"]
+    with pytest.raises(ConfigError, match="not implemented yet for kimi_k25") as e:
+        load_config(argv, world_size=2)
+    assert "\n" not in str(e.value)

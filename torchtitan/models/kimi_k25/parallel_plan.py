@@ -25,4 +25,10 @@ def kimi_k25_parallel_plan(args: KimiK25Args) -> ModelParallelPlan:
     }
     blocks = tuple(f"vision_tower.encoder.blocks.{i}" for i in range(args.vision.depth))
     units = (*blocks, "vision_tower", "mm_projector")
-    return dataclasses.replace(plan, document_mask=False, refusals=refusals, fsdp_units=units)
+    return dataclasses.replace(
+        plan,
+        document_mask=False,
+        refusals=refusals,
+        fsdp_units=units,
+        context_parallel=None,  # the preflight names the refusal where there is no CP plan
+    )
