@@ -121,6 +121,22 @@ def test_forward_backward_equal_transformers(tmp_path: Path) -> None:
     assert worst <= 1e-5, worst
 
 
+def test_a_clip_of_frames_equals_transformers(tmp_path: Path) -> None:
+    """A 3-frame clip (the time sinusoid, attention over the clip, the frame average) and a
+    still image through our tower and projector: transformers' image features within 1e-5."""
+    hf = _hf_model()
+    hf.save_pretrained(tmp_path)
+    _, ours = _import(tmp_path)
+    grids = torch.tensor([[3, 4, 6], [1, 2, 2]])
+    pixels = torch.randn(76, 48, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        mine = ours.image_tokens(pixels, grids)
+        theirs = torch.cat(
+            hf.model.get_image_features(pixels.view(-1, 3, 4, 4), grids).pooler_output
+        )
+    assert mine.shape == (7, 64) and _rel(mine, theirs) <= 1e-5, _rel(mine, theirs)
+
+
 def test_export_round_trips_and_transformers_reads_it(tmp_path: Path) -> None:
     """Ours written as a Hugging Face folder (tied head): transformers' model has our logits;
     the state dict round-trips bit for bit; the streamed read of every tensor equals the whole
