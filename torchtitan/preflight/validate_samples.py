@@ -5,7 +5,7 @@
   dataset will tokenize it leaves a conversation to train on (with ``sft.overlong = "error"``:
   none is longer than the sequence);
 - ``vlm`` (image-text samples, docs/vlm.md): it trains a model with a vision tower
-  (``qwen3_5_vl``), from an existing parquet file, tar shard or folder of them, and is not a
+  (``qwen3_5_vl``, ``kimi_k25``), from an existing parquet file, tar shard or folder of them, and is not a
   validation dataset yet."""
 
 from __future__ import annotations
