@@ -162,19 +162,31 @@ def test_export_round_trips_and_transformers_reads_it(tmp_path: Path) -> None:
         diff = _rel(ours(tokens, pixel_values=_pixels(), grid_thw=GRIDS), _hf_logits(again, tokens))
     assert diff <= 1e-5, diff
 
-    class Source:
-        def __contains__(self, name: object) -> bool:
-            return name in exported
+    # streamed boxes: from our export, and from the folder transformers wrote (its spellings)
+    _, saved = read_hf_folder(tmp_path / "a")
+    assert any(".blocks." in k for k in saved if k.startswith("language_model."))
+    for tensors in (exported, saved):
+        source = _Source(tensors)
+        for key, full in sd.items():
+            box = tuple(slice(1 if n > 1 else 0, n) for n in full.shape)
+            got = adapter.from_hf_box(key, tuple(full.shape), box, source)
+            assert torch.equal(got, full[box]), key
 
-        def shape(self, name: str) -> tuple[int, ...]:
-            return tuple(exported[name].shape)
 
-        def read(self, name: str, box: Any) -> torch.Tensor:
-            return exported[name][box]
+class _Source:
+    """An in-memory ``HFSource`` (``models/common/hf/mapping.py``)."""
 
-    for key, full in sd.items():
-        box = tuple(slice(1 if n > 1 else 0, n) for n in full.shape)
-        assert torch.equal(adapter.from_hf_box(key, tuple(full.shape), box, Source()), full[box])
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.tensors[name].shape)
+
+    def read(self, name: str, box: Any) -> torch.Tensor:
+        return self.tensors[name][box]
 
 
 REMOTE_CONFIG = {
@@ -317,3 +329,28 @@ def test_model_parallel_layouts_are_refused_in_one_line(degree: str, tmp_path: P
     with pytest.raises(ConfigError, match="not implemented yet for kimi_k25") as e:
         load_config(argv, world_size=2)
     assert "\n" not in str(e.value)
+
+
+def test_preflight_reads_a_folder_transformers_wrote(tmp_path: Path) -> None:
+    """The weight-folder check (``checkpoint.initial_load_in_hf``) finds every tensor of a
+    ``save_pretrained`` folder under its transformers spelling, and the streamed import reads
+    them equal to the whole-file import; a missing tensor still fails the check."""
+    from torchtitan.preflight.validate_weights import check_hf_model
+
+    _hf_model().save_pretrained(tmp_path)
+    config, _ = read_hf_folder(tmp_path)
+    _, args = family_for_hf_config(config)
+    field = "checkpoint.initial_load_path"
+    check_hf_model(tmp_path, field, "kimi_k25", args, "kimi_k25", fit=True)
+    from torchtitan.checkpoint.hf_io import load_hf_streaming
+
+    model = MODELS["kimi_k25"].build(args)
+    adapter = MODELS["kimi_k25"].state_dict_adapter(args)
+    load_hf_streaming([model], adapter, tmp_path)  # the trainer's streamed import
+    whole = adapter.from_hf(read_hf_folder(tmp_path)[1])
+    assert all(torch.equal(v, whole[k]) for k, v in model.state_dict().items() if k in whole)
+    assert set(whole) <= set(model.state_dict())
+    bigger = type(args)(**{**args.__dict__, "n_layers": 3})
+    with pytest.raises(ConfigError, match="language_model.model.layers.2") as err:
+        check_hf_model(tmp_path, field, "kimi_k25", bigger, "kimi_k25", fit=True)
+    assert "\n" not in str(err.value)

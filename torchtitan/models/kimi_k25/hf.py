@@ -226,6 +226,11 @@ class KimiK25Adapter(StateDictAdapter):
             return [(key, w)]
         return super().to_hf_one(key, w, check)
 
+    def as_exported(self, name: str) -> str:
+        """An HF tensor name as our export spells it (the weight-folder check compares those:
+        ``preflight/validate_weights.py``)."""
+        return canonical(name)
+
     def from_hf(self, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         named = {canonical(k): w for k, w in hf.items()}
         visual = {k: w for k, w in named.items() if k.startswith(VISUAL)}
