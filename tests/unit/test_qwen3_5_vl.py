@@ -261,10 +261,15 @@ def test_a_batch_without_images_runs_the_tower_on_nothing() -> None:
     assert grad is not None and not bool(grad.any())
 
 
-def test_plan_gives_the_tower_its_own_fsdp_units_and_refuses_model_parallel() -> None:
+def test_plan_gives_the_tower_its_own_fsdp_units_and_refuses_tensor_parallel() -> None:
+    """The tower: its own FSDP units, on the first pipeline stage with the embedding; its
+    images whole on every cp rank; tensor parallel refused (docs/vlm.md, "Parallelism")."""
     args = MODELS["qwen3_5_vl"].flavors["debugmodel"]
     plan = MODELS["qwen3_5_vl"].parallel_plan(args)
     assert plan.fsdp_units == ("visual.blocks.0", "visual.blocks.1", "visual")
-    assert set(plan.refusals) == {"tensor_parallel", "pipeline_parallel", "context_parallel"}
+    assert set(plan.refusals) == {"tensor_parallel"}
+    assert plan.pipeline_units[0].modules == ("tok_embeddings", "visual")
+    assert plan.context_parallel is not None
+    assert plan.context_parallel.whole_inputs == ("pixel_values", "grid_thw")
     model = MODELS["qwen3_5_vl"].build(args)
     assert all(model.get_submodule(path) is not None for path in plan.fsdp_units)

@@ -71,6 +71,10 @@ from torchtitan.tools.torch_compat import DEFAULT_STAGER_SINGLE_USE
 AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 COMPONENTS = frozenset({"model", "optimizer", "lr_scheduler", "train_state", "dataloader", "rng"})
+POSTTRAIN_PART = "posttrain"  # training.mode dpo/grpo: the frozen reference, sampling generators
+DILOCO_PART = "diloco"  # fault_tolerance.semi_sync = "diloco": the outer optimizer's state
+OPTIONAL_PARTS = frozenset({POSTTRAIN_PART, DILOCO_PART})
+"""Parts a checkpoint holds only in the runs that add them (``Trainer._checkpoint_extra``)."""
 
 
 class _StagerLifecycle:

@@ -34,7 +34,7 @@ class Checkpoint:
     """Check every file's SHA-256 against the manifest before loading (reads the checkpoint once more); sizes are always checked."""
 
     exclude_from_loading: list[str] = field(default_factory=list)
-    """Parts of a checkpoint not to load: any of model, optimizer, lr_scheduler, dataloader, train_state (then training restarts at step 0), rng."""
+    """Parts of a checkpoint not to load: any of model, optimizer, lr_scheduler, dataloader, train_state (then training restarts at step 0), rng, and the parts some runs add: posttrain (dpo/grpo), diloco (fault_tolerance.semi_sync = "diloco")."""
 
     initial_load_path: str = ""
     """When the checkpoint folder holds no checkpoint yet (or checkpoint.enable is off), load initial weights from this step-N folder (e.g. made by scripts/convert_from_hf.py), or from a Hugging Face folder with initial_load_in_hf; empty starts from random weights."""

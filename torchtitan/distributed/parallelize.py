@@ -84,7 +84,8 @@ def parallelize(
             mesh = dims.get_mesh("expert_fsdp")
             apply_expert_fsdp(model, experts, mesh, param_dtype, reduce_dtype, reshard)
             experts = []  # nested FSDP units now: the blocks' FSDP skips them
-        extra = [model.get_submodule(path) for path in plan.fsdp_units]
+        # (a unit a pipeline stage does not hold is not there: the first stage's vision tower)
+        extra = [m for path in plan.fsdp_units if (m := submodule_or_none(model, path)) is not None]
         apply_fsdp(
             model,
             extra + list(blocks.values()),

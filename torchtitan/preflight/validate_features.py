@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchtitan.checkpoint.manager import COMPONENTS
+from torchtitan.checkpoint.manager import COMPONENTS, OPTIONAL_PARTS
 from torchtitan.checkpoint.storage import complete_steps
 from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
@@ -166,13 +166,13 @@ def validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
             "must name a sub-folder of job.dump_folder (old checkpoints in it are deleted)",
             "use e.g. checkpoint",
         )
-    unknown = sorted(set(ck.exclude_from_loading) - COMPONENTS)
+    unknown = sorted(set(ck.exclude_from_loading) - COMPONENTS - OPTIONAL_PARTS)
     if unknown:
         raise ConfigError(
             "checkpoint.exclude_from_loading",
             ck.exclude_from_loading,
             f"{unknown} are not parts of a checkpoint",
-            f"use some of {sorted(COMPONENTS)}",
+            f"use some of {sorted(COMPONENTS | OPTIONAL_PARTS)}",
         )
     if ck.initial_load_path and not Path(ck.initial_load_path).is_dir():
         raise ConfigError(

@@ -32,6 +32,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
 from torchtitan.eval.harness import training_evaluator
 from torchtitan.eval.validation_loss import build_validator
+from torchtitan.fault_tolerance.outer_state import checkpoint_parts
 from torchtitan.fault_tolerance.replica import ReplicaGroup, data_shard
 from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
@@ -248,6 +249,7 @@ class Trainer:
             rotate_method=p.context_parallel_rotate_method,
             rope_buffer=plan.rope_buffer if plan else None,
             balancer=p.context_parallel_load_balancer,
+            whole_inputs=plan.whole_inputs if plan else (),
         )
 
     def _build_optimizer(self) -> None:
@@ -382,8 +384,9 @@ class Trainer:
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         """Checkpointed parts beyond the manager's own, by name (a training mode's state:
-        torchtitan/training/posttrain.py); none here."""
-        return {}
+        torchtitan/training/posttrain.py): here DiLoCo's outer state under fault tolerance,
+        else none (torchtitan/fault_tolerance/outer_state.py)."""
+        return checkpoint_parts(self.cfg.fault_tolerance, self.model_parts)
 
     def _load_initial_only(self) -> None:
         """checkpoint.initial_load_path with checkpointing off: the weights (the model was

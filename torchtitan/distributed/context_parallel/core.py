@@ -304,8 +304,10 @@ class ContextParallel:
         rotate_method: str = "allgather",
         rope_buffer: str | None = None,
         balancer: str = "headtail",
+        whole_inputs: tuple[str, ...] = (),
     ) -> None:
         self.mesh = cp_mesh
+        self.whole_inputs = frozenset(whole_inputs)
         self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
         self.method = method
         self.balancer = balancer
@@ -320,9 +322,19 @@ class ContextParallel:
         self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """This rank's tokens of every ``[B, S]`` tensor, all taken at the same positions (so
-        loss, labels, RoPE positions and document ids stay together). The ``document``
+        loss, labels, RoPE positions and document ids stay together); the ``whole_inputs``
+        (the model plan's, e.g. images) pass unsharded. The ``document``
         balancer's positions differ per sample; the model then gets their global positions as
         ``positions`` (unless per-document ones are there already)."""
+        whole = {k: t for k, t in extra.items() if k in self.whole_inputs}
+        inputs, labels, sharded = self._shard(
+            inputs, labels, {k: t for k, t in extra.items() if k not in self.whole_inputs}
+        )
+        return inputs, labels, {**sharded, **whole}
+
+    def _shard(
+        self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         if self.balancer == "headtail":
             return (
                 shard_sequence(inputs, self.cp, self.rank),
