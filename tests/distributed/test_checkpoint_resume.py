@@ -25,7 +25,7 @@ from tests.checkpoint_helpers import (
 )
 from tests.launcher import run_ranks
 from tests.parity import assert_losses_match, losses
-from torchtitan.checkpoint.manager import COMPONENTS
+from torchtitan.config.sections import CHECKPOINT_PARTS
 
 FSDP2 = ["--training.local_batch_size", "4"]
 FSDP4 = ["--training.local_batch_size", "2"]
@@ -176,7 +176,7 @@ def test_bitwise_resume(
     n = assert_checkpoints_identical(_ckpt(ref_dump, 6), _ckpt(tmp_path, 6))
     # the parts of a checkpoint without fault tolerance: none added (DiLoCo's is its own)
     parts = {k.split(".", 1)[0] for k in read_checkpoint(_ckpt(tmp_path, 6))}
-    assert parts == set(COMPONENTS), parts
+    assert parts == set(CHECKPOINT_PARTS), parts
     print(f"{layout}: 3 steps + resume + 3 steps == 6 steps; {n} checkpoint entries identical")
 
 

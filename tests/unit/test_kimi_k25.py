@@ -354,3 +354,25 @@ def test_preflight_reads_a_folder_transformers_wrote(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="language_model.model.layers.2") as err:
         check_hf_model(tmp_path, field, "kimi_k25", bigger, "kimi_k25", fit=True)
     assert "\n" not in str(err.value)
+
+
+def test_tower_flops_equal_torch_flop_counter() -> None:
+    """The shared per-patch count (``models/common/vision/flops.py``, behind MFU and the
+    planner) holds for MoonViT + projector: forward + backward of two images (8 x 8 and 4 x 4
+    patches; pixels without gradient) equals torch's FLOP counter exactly."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tests.tiny_args import tiny_kimi_k25
+    from torchtitan.models.common.vision.flops import tower_training_flops
+    from torchtitan.models.common.vision.moonvit import MoonViT, Projector
+
+    v = tiny_kimi_k25().vision
+    tower, projector = MoonViT(v), Projector(v)
+    for p in [*tower.parameters(), *projector.parameters()]:
+        torch.nn.init.normal_(p, std=0.02)
+    grids = torch.tensor([[1, 8, 8], [1, 4, 4]])
+    pixels = torch.randn(80, v.patch_dim)
+    with FlopCounterMode(display=False) as counter:
+        projector(tower(pixels, grids)).sum().backward()
+    ours = sum(tower_training_flops(v, int(g.prod())) for g in grids)  # type: ignore[arg-type]
+    assert counter.get_total_flops() == ours

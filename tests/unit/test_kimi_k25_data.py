@@ -1,4 +1,4 @@
-"""Image-text data for Kimi K2.5 (``data/vlm_navit.py``; docs/vlm.md, "Kimi K2.5"): the sizes
+"""Image-text data for Kimi K2.5 (``data/vlm_images.py: NavitRules``; docs/vlm.md, "Kimi K2.5"): the sizes
 and the patch order of transformers' ``Kimi_K25ImageProcessor``, the placeholders and patches
 of the dataset with these rules, and training through the trainer on image batches.
 
@@ -22,7 +22,7 @@ import torch
 from tests.parity import DEBUG_TOML, ROOT, read_jsonl
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.data.vlm_dataset import ImageTokens, VLMDataset
-from torchtitan.data.vlm_navit import NavitRules, navit_size
+from torchtitan.data.vlm_images import NavitRules, navit_size
 from torchtitan.loss.chunked import IGNORE_INDEX
 
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -172,6 +172,9 @@ class Training:
     loss_chunk_size: int = 0
     """Chunked linear + cross-entropy: compute the output projection and the loss this many tokens at a time (each chunk recomputed in backward), so the full [tokens, vocab] logits never exist; 0 computes the logits whole. Same loss and gradients (docs/memory.md)."""
 
+    image_tokens_per_sample: int = 0
+    """Vision-language models: the mean merged image tokens per sample (row) of the training data, counted as one image per sample; the vision tower's training FLOPs for their patches (image tokens x spatial_merge_size^2) are added to the FLOPs per token behind MFU, benchmarks/throughput.py and the planner. 0 counts the decoder only (docs/vlm.md, "Planning")."""
+
 
 @dataclass
 class Parallelism:

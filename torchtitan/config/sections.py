@@ -9,6 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+CHECKPOINT_PARTS = frozenset(
+    {"model", "optimizer", "lr_scheduler", "train_state", "dataloader", "rng"}
+)
+"""The parts every checkpoint holds (``checkpoint/manager.py``)."""
+POSTTRAIN_PART = "posttrain"  # training.mode dpo/grpo: the frozen reference, sampling generators
+DILOCO_PART = "diloco"  # fault_tolerance.semi_sync = "diloco": the outer optimizer's state
+OPTIONAL_CHECKPOINT_PARTS = frozenset({POSTTRAIN_PART, DILOCO_PART})
+"""Parts a checkpoint holds only in the runs that add them (``Trainer._checkpoint_extra``)."""
+
 
 @dataclass
 class Checkpoint:

@@ -22,8 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan.checkpoint.manager import DILOCO_PART
-from torchtitan.config.sections import FaultTolerance
+from torchtitan.config.sections import DILOCO_PART, FaultTolerance
 from torchtitan.tools.logging import logger
 
 OUTER_LR = 0.7  # the DiLoCo paper's outer learning rate and Nesterov momentum

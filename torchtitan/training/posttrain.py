@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.checkpoint.manager import POSTTRAIN_PART
+from torchtitan.config.sections import POSTTRAIN_PART
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.metrics.processor import MetricsProcessor

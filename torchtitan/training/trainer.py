@@ -23,7 +23,7 @@ from torchtitan.checkpoint.safety import resume_settings
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_toml
 from torchtitan.data.dataloader import ParallelAwareDataloader
-from torchtitan.data.rank_loader import rank_dataloader
+from torchtitan.data.rank_loader import rank_dataloader, uses_images
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import ContextParallel
@@ -140,7 +140,8 @@ class Trainer:
         """A loader of ``dataset`` sharded by this rank's data-parallel coordinate only (and,
         for training under fault tolerance, by its replica group: docs/fault_tolerance.md)."""
         cfg, dp = self.cfg, self.parallel_dims.get_mesh("dp")
-        vlm = dataset == "vlm"  # the vision settings come from the model's flavor
+        # image-text data reads the vision sizes and token ids of the args the run builds
+        images = uses_images(cfg.training, dataset)
         return rank_dataloader(
             cfg.training,
             cfg.sft,
@@ -152,7 +153,7 @@ class Trainer:
             infinite=infinite,
             seed=cfg.debug.seed,
             with_doc_ids=cfg.model.attn_mask_type == "block_causal",
-            model_args=MODELS[cfg.model.name].flavors[cfg.model.flavor] if vlm else None,
+            model_args=run_args(cfg, self.tokenizer.vocab_size) if images else None,
             shard=data_shard(cfg.fault_tolerance, dp.get_local_rank(), dp.size())
             if split == "train"
             else None,

@@ -53,7 +53,7 @@ class MoonViTArgs:
     in_channels: int = 3
     temporal_patch_size: int = 1
     processor: str = "navit"
-    """How the data path resizes and cuts images (``data/vlm_navit.py``)."""
+    """How the data path resizes and cuts images (``data/vlm_images.py: NavitRules``)."""
 
     def __post_init__(self) -> None:
         problem = self.problem()
