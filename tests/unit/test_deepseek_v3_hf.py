@@ -194,3 +194,34 @@ def test_folder_without_mtp_weights(tmp_path: Path, caplog: pytest.LogCaptureFix
     with pytest.raises(ConfigError, match=r"--model.mtp_depth 0") as e:
         hf_io.load_hf_state_dict(dict(model.state_dict()), _adapter(with_mtp), folder)
     assert "\n" not in str(e.value) and "model.layers.3.eh_proj.weight is absent" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "first_k_dense_replace",
+        "n_shared_experts",
+        "norm_topk_prob",
+        "routed_scaling_factor",
+        "n_group",
+        "topk_group",
+    ],
+)
+def test_an_absent_moe_key_means_transformers_default(key: str) -> None:
+    """A ``config.json`` without one of the routing keys builds, in transformers, the model of
+    that key's class default (``routed_scaling_factor`` 2.5, ``n_group`` 8, ...): our import reads
+    the same value (it read 1.0 for the scaling factor: a silently different router)."""
+    args = dataclasses.replace(tiny_deepseek_v3(), n_layers=4)
+    full = _adapter(args).hf_config()
+    full.update(n_routed_experts=16, n_group=8, topk_group=4)  # valid beside the defaults
+    full.pop(key)
+    theirs = transformers.DeepseekV3Config(**full)
+    ours = DEEPSEEK_V3_HF.config.args_from_hf(full)
+    assert ours.n_dense_layers == min(theirs.first_k_dense_replace, theirs.num_hidden_layers)
+    assert ours.moe is not None or theirs.first_k_dense_replace >= theirs.num_hidden_layers
+    if ours.moe is not None:
+        moe = ours.moe
+        assert moe.num_shared_experts == theirs.n_shared_experts
+        assert moe.route_norm == theirs.norm_topk_prob
+        assert moe.route_scale == theirs.routed_scaling_factor
+        assert (moe.n_groups, moe.topk_groups) == (theirs.n_group, theirs.topk_group)

@@ -400,3 +400,41 @@ def test_windowed_qwen3_counts_its_keys_and_offers_no_context_parallel() -> None
     assert windowed.flops_per_token(8) == full.flops_per_token(8)
     assert qwen3_parallel_plan(full).context_parallel is not None
     assert qwen3_parallel_plan(windowed).context_parallel is None
+
+
+_NOT_MODEL_KEYS = ("model_type", "architectures", "torch_dtype", "dtype")
+
+
+@pytest.mark.parametrize("case", sorted(tiny_hf_cases()))
+def test_an_absent_key_means_what_transformers_builds(case: str) -> None:
+    """Each key of our export left out of ``config.json`` in turn: where transformers still
+    builds a model (the key's class default, or what it derives), ours is the same model (equal
+    args to those read with transformers' value written in) or a one-line refusal; never a
+    silently different one (``routed_scaling_factor`` read as 1.0 where transformers routes at
+    2.5, ``norm_topk_prob`` read as true where Qwen3-MoE's default is false, GPT-OSS's YaRN
+    dropped, Qwen3.5's partial-rotary theta replaced)."""
+    family, args = tiny_hf_cases()[case]
+    full = json.loads(json.dumps(MODELS[family].hf.config.to_hf(args)))  # type: ignore[attr-defined]
+    model_type, checked = full["model_type"], 0
+    for key in sorted(set(full) - set(_NOT_MODEL_KEYS)):
+        rest = {k: v for k, v in full.items() if k != key}
+        try:
+            theirs = transformers.AutoConfig.for_model(
+                model_type, **{k: v for k, v in rest.items() if k != "model_type"}
+            ).to_dict()
+        except Exception:  # transformers itself needs the key
+            continue
+        if key not in theirs:
+            continue
+        try:
+            absent = family_for_hf_config(rest)[1]
+        except (ValueError, KeyError) as e:  # ConfigError is a ValueError: a refusal
+            assert not isinstance(e, KeyError), f"{key}: a bare KeyError, not a one-line error"
+            continue
+        try:
+            written = family_for_hf_config({**rest, key: theirs[key]})[1]
+        except ValueError:  # transformers' default does not fit this tiny config's shapes
+            continue
+        assert absent == written, f"{case}: without {key!r} we build another model"
+        checked += 1
+    assert checked >= 3, checked

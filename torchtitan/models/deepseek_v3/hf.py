@@ -80,6 +80,19 @@ MTP_SHARED_COPIES = {
 }
 
 
+_HF_DEFAULTS: dict[str, Any] = {
+    "first_k_dense_replace": 3,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "n_group": 8,
+    "topk_group": 4,
+}
+"""transformers' ``DeepseekV3Config`` defaults of the MoE keys: a ``config.json`` that leaves
+one out (hand-written, or a multimodal config's ``text_config``) means what transformers
+builds from it, so an absent key is read as its default, not as a neutral value."""
+
+
 class _MoESection:
     """``DeepseekV3Config``'s routing fields <-> ``moe`` and ``n_dense_layers``."""
 
@@ -102,19 +115,20 @@ class _MoESection:
         }
 
     def from_hf(self, config: Mapping[str, Any]) -> dict[str, Any]:
-        n_layers, dense = config["num_hidden_layers"], config.get("first_k_dense_replace", 0)
+        config = {**_HF_DEFAULTS, **config}
+        n_layers, dense = config["num_hidden_layers"], config["first_k_dense_replace"]
         if dense >= n_layers:
             return {"n_dense_layers": n_layers, "moe": None}
         moe = MoEArgs(
             num_experts=int(config.get("n_routed_experts") or config["num_local_experts"]),
             top_k=config["num_experts_per_tok"],
             expert_dim=config["moe_intermediate_size"],
-            num_shared_experts=config.get("n_shared_experts", 1),
+            num_shared_experts=config["n_shared_experts"],
             score_func="sigmoid",
-            route_norm=config.get("norm_topk_prob", True),
-            route_scale=config.get("routed_scaling_factor", 1.0),
-            n_groups=config.get("n_group") or 1,
-            topk_groups=config.get("topk_group") or 1,
+            route_norm=config["norm_topk_prob"],
+            route_scale=config["routed_scaling_factor"],
+            n_groups=config["n_group"] or 1,
+            topk_groups=config["topk_group"] or 1,
             bias_update_rate=0.001,  # the released models' correction bias is used for routing
         )
         return {"n_dense_layers": dense, "moe": moe}

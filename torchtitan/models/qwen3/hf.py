@@ -65,7 +65,7 @@ class _MoESection:
             num_experts=int(config.get("num_experts") or config["num_local_experts"]),
             top_k=config["num_experts_per_tok"],
             expert_dim=config["moe_intermediate_size"],
-            route_norm=config.get("norm_topk_prob", True),
+            route_norm=config.get("norm_topk_prob", False),  # transformers' default
             # Not router_aux_loss_coef: it weights transformers' pooled balancing loss, not
             # ours (hf_keys.py); an imported model keeps MoEArgs' default, docs/moe.md.
         )

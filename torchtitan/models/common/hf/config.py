@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from torchtitan.models.common.hf.keys import KeyTable
+from torchtitan.models.common.hf.keys import HFConfigError, KeyTable
 from torchtitan.tools.logging import logger
 
 REQUIRED: Any = object()
@@ -86,13 +86,42 @@ class HFConfig:
         return [] if self.keys is None else self.keys.check(config)
 
     def args_from_hf(self, config: Mapping[str, Any]) -> Any:
-        """Our args for ``config`` (its keys checked first, unknown ones logged as warnings)."""
+        """Our args for ``config`` (its keys checked first, unknown ones logged as warnings).
+        A key it leaves out means what transformers builds without it (:func:`absent_keys`)."""
+        known = () if self.keys is None else tuple(self.keys.keys)
+        config = {**absent_keys(config, known), **config}
         for warning in self.check_keys(config):
             logger.warning(warning)
-        kwargs = {f.ours: f.read(config) for f in self.fields if f.ours is not None}
-        for section in self.sections:
-            kwargs.update(section.from_hf(config))
+        try:
+            kwargs = {f.ours: f.read(config) for f in self.fields if f.ours is not None}
+            for section in self.sections:
+                kwargs.update(section.from_hf(config))
+        except KeyError as e:
+            raise HFConfigError(
+                f"config.json: {e.args[0]}",
+                "missing",
+                f"model_type {config.get('model_type')!r} needs it and transformers has no default",
+                "add the key (the checkpoint's own config.json has it)",
+            ) from None
         args = self.make_args(**kwargs)
         if self.check is not None:
             self.check(args, config)
         return args
+
+
+def absent_keys(config: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, Any]:
+    """transformers' values of the ``known`` keys ``config`` leaves out: its config class built
+    from ``config`` (class defaults, and what it derives, e.g. ``layer_types`` from the layer
+    count). A hand-written ``config.json`` without ``routed_scaling_factor`` is a model routed
+    at scale 2.5 in transformers; read as absent it would silently be another model. Empty when
+    transformers cannot build the config (an unknown ``model_type``: the key table refuses it)."""
+    if not known or all(k in config for k in known):
+        return {}
+    import transformers
+
+    given = {k: v for k, v in config.items() if k != "model_type"}
+    try:
+        theirs = transformers.AutoConfig.for_model(config.get("model_type"), **given).to_dict()
+    except Exception:  # transformers refuses the config itself: ours reports what is wrong
+        return {}
+    return {k: theirs[k] for k in known if k not in config and k in theirs}
