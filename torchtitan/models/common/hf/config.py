@@ -121,7 +121,7 @@ def absent_keys(config: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, 
 
     given = {k: v for k, v in config.items() if k != "model_type"}
     try:
-        theirs = transformers.AutoConfig.for_model(config.get("model_type"), **given).to_dict()
+        theirs = transformers.AutoConfig.for_model(str(config.get("model_type")), **given).to_dict()
     except Exception:  # transformers refuses the config itself: ours reports what is wrong
         return {}
     return {k: theirs[k] for k in known if k not in config and k in theirs}
