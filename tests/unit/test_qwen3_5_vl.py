@@ -261,10 +261,14 @@ def test_a_batch_without_images_runs_the_tower_on_nothing() -> None:
     assert grad is not None and not bool(grad.any())
 
 
-def test_plan_gives_the_tower_its_own_fsdp_units_and_refuses_model_parallel() -> None:
+def test_plan_gives_the_tower_its_own_units_and_refuses_pipeline_and_context() -> None:
+    """FSDP units, AC/compile blocks and the TP entries of the tower name real modules; tensor
+    parallel is taken (tests/integration/test_vlm_parallel.py), PP and CP refused."""
     args = MODELS["qwen3_5_vl"].flavors["debugmodel"]
     plan = MODELS["qwen3_5_vl"].parallel_plan(args)
     assert plan.fsdp_units == ("visual.blocks.0", "visual.blocks.1", "visual")
-    assert set(plan.refusals) == {"tensor_parallel", "pipeline_parallel", "context_parallel"}
+    assert plan.extra_blocks == ("visual.blocks",)
+    assert set(plan.refusals) == {"pipeline_parallel", "context_parallel"}
     model = MODELS["qwen3_5_vl"].build(args)
-    assert all(model.get_submodule(path) is not None for path in plan.fsdp_units)
+    paths = [*plan.fsdp_units, *plan.extra_blocks, "scatter", *plan.tensor_parallel.root]
+    assert all(model.get_submodule(path) is not None for path in paths)

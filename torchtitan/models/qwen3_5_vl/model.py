@@ -15,8 +15,8 @@ from torchtitan.models.common.vision import (
     VisionTower,
     mrope_freqs,
     mrope_positions,
-    scatter_visual,
 )
+from torchtitan.models.common.vision.scatter import VisualScatter
 from torchtitan.models.common.vision.tower import vision_init
 from torchtitan.models.qwen3_5.model import Qwen35Transformer
 from torchtitan.models.qwen3_5_vl.args import Qwen35VLArgs
@@ -32,6 +32,7 @@ class Qwen35VLModel(Qwen35Transformer):
     def __init__(self, args: Qwen35VLArgs) -> None:
         super().__init__(args)
         self.visual = VisionTower(args.vision)
+        self.scatter = VisualScatter()  # a module: tensor parallel places its output
 
     def forward(
         self,
@@ -52,16 +53,19 @@ class Qwen35VLModel(Qwen35Transformer):
                 "cache; docs/vlm.md)"
             )
         placeholders = tokens == a.image_token_id
-        h = self.tok_embeddings(tokens)
+        visual = None
         if pixel_values is not None:
             if grid_thw is None:
                 raise ValueError("pixel_values given without grid_thw")
-            h = scatter_visual(h, placeholders, self.visual(pixel_values, grid_thw))
+            visual = self.visual(pixel_values, grid_thw)
         elif bool(placeholders.any()):
             raise ValueError(
                 f"{int(placeholders.sum())} image placeholder tokens (id {a.image_token_id}) "
                 "but no pixel_values"
             )
+        # whole rows here; under tensor parallel the scatter's output is cut onto the sequence
+        # shard (parallel_plan.py)
+        h = self.scatter(self.tok_embeddings(tokens), placeholders, visual)
         if positions is None:
             merge = a.vision.spatial_merge_size
             pos3 = mrope_positions(tokens, a.image_token_id, grid_thw, merge)
