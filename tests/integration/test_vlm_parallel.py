@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -206,3 +207,76 @@ def test_compile_compiles_the_tower_blocks_and_matches_eager() -> None:
             assert hasattr(block.__dict__.get("forward"), "_torchdynamo_orig_callable")
         print(f"eager: {eager} compiled (AC {mode}): {compiled}")
         assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(eager, compiled, strict=True))
+
+
+def _tp_grads() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[str]]:
+    """One forward/backward of a tiny ``qwen3_5_vl`` on an image batch, on this rank under TP 2
+    (loss parallel) and as one process: every gradient (whole), the local gradients of the
+    tower, the tower's gradient placements."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from tests.tiny_args import tiny_qwen3_5_vl
+    from tests.unit.test_qwen3_5_vl import GRIDS, _pixels, _tokens
+    from torchtitan.distributed.tensor_parallel import apply_tp
+    from torchtitan.models import MODELS
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    spec, args = MODELS["qwen3_5_vl"], tiny_qwen3_5_vl()
+    tokens = _tokens()
+    labels = tokens.roll(-1, dims=1)
+    ref = spec.build(args)
+    with torch.device("meta"):  # as the trainer: built on meta, parallelized, materialized
+        model = spec.build(args)
+    plan = spec.parallel_plan(args)
+    apply_tp(model, plan.blocks_of(model), mesh, plan.tensor_parallel, loss_parallel=True)
+    model.to_empty(device="cpu")  # (re-ties the tiny model's embedding and output)
+    for m in (ref, model):
+        m.init_weights(seed=0, buffer_device="cpu")
+    logits = ref(tokens, pixel_values=_pixels(), grid_thw=GRIDS)
+    F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    logits = model(tokens, pixel_values=_pixels(), grid_thw=GRIDS)
+    with loss_parallel():
+        F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    whole, tower, placements = {}, {}, []
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g, q = p.grad, ref_params[name]
+        assert g is not None and q.grad is not None, name
+        if name.startswith("visual."):
+            assert isinstance(g, DTensor)
+            placements.append(str(g.placements))
+            tower[name] = g.to_local().numpy().copy()
+        full = g.full_tensor() if isinstance(g, DTensor) else g
+        whole[name] = np.stack([full.numpy(), q.grad.numpy()])
+    return whole, tower, placements
+
+
+@pytest.mark.slow
+def test_tp2_tower_gradients_equal_on_both_ranks_and_one_process() -> None:
+    """Under TP 2 the tower's gradients are replicated DTensors, bitwise equal on both TP
+    ranks; every gradient of the model within 1e-5 (relative to its largest entry) of one
+    process's."""
+    (whole, tower0, placements), (_, tower1, _) = run_ranks(_tp_grads, 2)
+    assert placements and set(placements) == {"(Replicate(),)"}
+    assert all(np.array_equal(tower0[k], tower1[k]) for k in tower0)
+    for name, (tp, one) in whole.items():
+        scale = max(float(np.abs(one).max()), 1e-12)
+        assert float(np.abs(tp - one).max()) <= 1e-5 * scale, name
+
+
+def test_float8_leaves_the_tower_in_high_precision() -> None:
+    """The tower computes with local weights (``tower.py: local``), which a ``Float8Linear``
+    would not honour: float8 exempts the whole tower and still converts the decoder."""
+    from tests.tiny_args import tiny_qwen3_5_vl
+    from torchtitan.distributed.float8 import apply_float8
+    from torchtitan.models import MODELS
+
+    with torch.device("meta"):
+        model = MODELS["qwen3_5_vl"].build(tiny_qwen3_5_vl())
+    converted = apply_float8(model, auto_filter_small_kn=False, emulate=True, device_type="cpu")
+    assert converted and not any(name.startswith("visual.") for name in converted), converted

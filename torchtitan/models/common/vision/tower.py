@@ -38,6 +38,8 @@ def local(p: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if type(m) is not nn.Linear:  # a converted linear keeps its own forward
+        return m(x)
     return F.linear(x, local(m.weight), local(m.bias))  # type: ignore[arg-type]
 
 
@@ -162,6 +164,10 @@ class PatchMerger(nn.Module):
 class VisionTower(nn.Module):
     """``forward(pixel_values [N, patch_dim], grid_thw [images, 3]) -> [N / m^2, out_dim]``,
     the merged tokens of all images in order."""
+
+    # Float8 leaves the tower's linears in high precision (distributed/float8.py): small, and
+    # computed on local weights under tensor parallel (``local``), which Float8Linear is not.
+    float8_exempt = True
 
     def __init__(self, a: VisionArgs) -> None:
         super().__init__()
