@@ -1,7 +1,8 @@
 """Qwen3.5 with vision under tensor parallel, FSDP x TP, HSDP and DDP (docs/vlm.md,
 "Parallelism"): each layout trains 10 steps on image batches through the trainer and equals one
-process (losses and gradient norms within 1e-5 relative, the final weights within 1e-5);
-activation checkpointing and compile wrap the tower's blocks too.
+process (losses within 1e-5 relative; the final weights and the reported gradient norms within
+measured bounds, ``_assert_equal_runs``); under TP 2 the tower's gradients are equal on both
+ranks; activation checkpointing and compile wrap the tower's blocks too, float8 leaves them.
 
 The data (``scripts/make_vlm_data.py``, 8 samples) has an image in the even samples only, so a
 one-sample batch (TP 2 with local batch 1) has no image every second step and, with two
@@ -112,8 +113,8 @@ def test_tp2_moe_equals_one_process_on_image_batches(
     argv = ["--model.flavor", "debugmodel_moe", "--training.local_batch_size", "1"]
     argv += ["--parallelism.tensor_parallel_degree", "2"]
     got = _run(data, tmp_path, 2, argv)
-    # Looser on the weights and norms than dense (measured 4.5e-5 and 1.1e-3; losses 6e-6):
-    # top-k routing turns last-bit differences into a different expert for a near-tied token.
+    # Looser on the weights and norms than dense (measured 4.5e-5 and 1.1e-3; losses 6e-6;
+    # the suspected amplifier, not verified: top-k routing of a near-tied token).
     ref = one_process("debugmodel_moe", 1)
     _assert_equal_runs(ref, got, "TP 2 MoE", weights_tol=2e-4, norm_tol=3e-3)
 
