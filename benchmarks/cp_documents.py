@@ -16,9 +16,12 @@ document tokenized with the test tokenizer, plus BOS and EOS) and a long-tail sy
   queries (``context_parallel.core.document_attention``, the code the ranks run, here one
   rank after another in one process so the ranks do not share cores), ``--heads`` heads of 64
   (default 4), fp32, one window (``--time_dists`` chooses the distributions);
-  ``max / mean`` of the per-rank times.
+  ``max / mean`` of the per-rank times. ``--kernels sdpa_fwd,flex_fwd`` times the forward
+  alone, of that path and of FlexAttention over the CP block mask (``context_parallel/flex.py``,
+  compiled before timing; torch's CPU flex has no backward).
 
-Bad input (one line, exit 2): a length above the sequence, a seq_len not divisible by 2 x cp.
+Bad input (one line, exit 2): a length above the sequence, a seq_len not divisible by 2 x cp,
+an unknown kernel.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from torchtitan.distributed.context_parallel.core import document_attention
+from torchtitan.distributed.context_parallel.flex import flex_document_attention
 from torchtitan.distributed.context_parallel.layout import (
     BALANCERS,
     doc_ids_from_lengths,
@@ -43,6 +47,7 @@ from torchtitan.distributed.context_parallel.layout import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ("sdpa", "sdpa_fwd", "flex_fwd")
 
 
 def corpus_lengths() -> list[int]:
@@ -74,16 +79,31 @@ def cost_rows(name: str, lengths: list[int], seq: int, cps: list[int]) -> list[d
     return rows
 
 
-def time_rank(ids: torch.Tensor, cp: int, rank: int, balancer: str, heads: int = 4) -> float:
+def time_rank(
+    ids: torch.Tensor, cp: int, rank: int, balancer: str, heads: int = 4, kernel: str = "sdpa"
+) -> float:
+    """Seconds of one rank's attention: forward + backward of the SDPA query blocks, or (the
+    ``*_fwd`` kernels) the forward alone, of the SDPA path or of FlexAttention over the CP
+    block mask (``context_parallel/flex.py``; compiled first, untimed)."""
     seq = ids.shape[1]
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, seq, 64, generator=g, requires_grad=True) for _ in range(3))
+    grad = kernel == "sdpa"
+    q, k, v = (torch.randn(1, heads, seq, 64, generator=g, requires_grad=grad) for _ in range(3))
     idx = shard_index(seq, cp, rank, balancer, ids).expand(1, -1)
     pos = torch.arange(seq)[None]
-    q_loc = take_tokens(q.detach().transpose(1, 2), idx).transpose(1, 2).requires_grad_()
-    q_doc, q_pos = take_tokens(ids, idx), idx
+    q_loc = take_tokens(q.detach().transpose(1, 2), idx).transpose(1, 2).requires_grad_(grad)
+    where = (idx, take_tokens(ids, idx), pos, ids)
+    if kernel == "flex_fwd":
+        with torch.no_grad():  # compile (once per shape; a grad-mode change would recompile)
+            flex_document_attention(q_loc, k, v, where)
     t0 = time.perf_counter()
-    document_attention(q_loc, k, v, (q_pos, q_doc, pos, ids)).sum().backward()
+    if grad:
+        document_attention(q_loc, k, v, where).sum().backward()
+    with torch.no_grad():
+        if kernel == "flex_fwd":
+            flex_document_attention(q_loc, k, v, where)
+        elif kernel == "sdpa_fwd":
+            document_attention(q_loc, k, v, where)
     return time.perf_counter() - t0
 
 
@@ -104,7 +124,15 @@ def main() -> None:
     p.add_argument("--no-time", dest="time", action="store_false")
     p.add_argument("--heads", type=int, default=4, help="heads of 64 in the timed attention")
     p.add_argument("--time_dists", default="corpus,long_tail", help="distributions to time")
+    p.add_argument(
+        "--kernels",
+        default="sdpa",
+        help="timed: sdpa (forward + backward), sdpa_fwd, flex_fwd (CPU flex has no backward)",
+    )
     a = p.parse_args()
+    kernels = a.kernels.split(",")
+    if unknown := set(kernels) - set(KERNELS):
+        bad(f"--kernels {a.kernels}: {sorted(unknown)} unknown; use some of {','.join(KERNELS)}")
     seqs, cps = [int(x) for x in a.seq_lens.split(",")], [int(x) for x in a.cps.split(",")]
     for s in seqs + [int(x) for x in a.time_seq_lens.split(",")]:
         for cp in cps + [int(x) for x in a.time_cps.split(",")]:
@@ -141,9 +169,11 @@ def main() -> None:
                 row: dict = {"dist": name, "seq_len": seq, "cp": cp, "pairs": pairs}
                 row["heads"] = a.heads
                 for b in BALANCERS:
-                    ts = [time_rank(ids, cp, r, b, a.heads) for r in range(cp)]
-                    row[f"{b}_s"] = [round(t, 3) for t in ts]
-                    row[f"{b}_max_over_mean"] = round(max(ts) / (sum(ts) / cp), 3)
+                    for kernel in kernels:
+                        ts = [time_rank(ids, cp, r, b, a.heads, kernel) for r in range(cp)]
+                        name_k = b if kernel == "sdpa" else f"{b}_{kernel}"
+                        row[f"{name_k}_s"] = [round(t, 3) for t in ts]
+                        row[f"{name_k}_max_over_mean"] = round(max(ts) / (sum(ts) / cp), 3)
                     row[f"{b}_cost_max_over_mean"] = round(
                         float(rank_costs(ids, cp, b).max() / rank_costs(ids, cp, b).mean()), 4
                     )

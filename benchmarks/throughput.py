@@ -22,6 +22,9 @@ JSON line (rank 0) with:
   the CPU time it got. Other work on the machine stretches wall-clock time but barely CPU time,
   so on a busy machine run ``--threads 1`` (no OpenMP threads spinning while a sibling waits
   for a core) and read these; on a quiet one they match the wall-clock figures;
+* with image-text data (``--model.name qwen3_5_vl``, docs/vlm.md) also
+  ``images_per_s_per_device`` and the images and tower patches per timed step
+  (``benchmarks/vlm_throughput.py`` makes the data and runs this);
 * ``peak_memory_gib`` (CUDA: allocated peak; CPU: peak process RSS), the config, the device,
   torch version and the machine's load averages before and after the timed steps
   (``load_avg``/``load_avg_end``, 1/5/15 min), so a figure taken on a busy machine says so.
@@ -237,6 +240,7 @@ def run_one(
 
     trainer.metrics.log = capture  # type: ignore[method-assign]
     trainer.metrics.end_step = stamp  # type: ignore[method-assign]
+    images = _count_images(trainer)
     try:
         # Warm-up through the real loop: compile, allocator, optimizer state.
         cfg.training.steps = warmup
@@ -248,6 +252,7 @@ def run_one(
         start, cpu_start = time.perf_counter(), time.process_time()
         stamps.clear()
         cpu_stamps.clear()
+        images.clear()
         trainer.train()
         _sync(device)
         elapsed = time.perf_counter() - start
@@ -297,6 +302,7 @@ def run_one(
         else round(100 * achieved / peak_datasheet, 2),
         "peak_tflops_datasheet": None if peak_datasheet is None else peak_datasheet / 1e12,
         "flops_per_token": flops_per_token,
+        **_image_rates(images, elapsed, steps, cpu_step if peak_cpu_time else None),
         "cpu_time_step_s": round(cpu_step, 4) if peak_cpu_time else None,
         "tokens_per_cpu_s": round(trainer.device_tokens_per_step / cpu_step, 1)
         if peak_cpu_time
@@ -337,6 +343,40 @@ def run_one(
                 "cp": dims.cp,
             },
         },
+    }
+
+
+def _count_images(trainer) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Counts of the images and patches the rank's microbatches carry (image-text data:
+    ``pixel_values`` / ``grid_thw`` model inputs; docs/vlm.md), cleared before the timed steps."""
+    counts: dict[str, int] = {}
+    draw = trainer.stepper.next_batch
+
+    def counted():  # type: ignore[no-untyped-def]
+        batch = draw()
+        grid = batch[2].get("grid_thw")
+        if grid is not None:
+            counts["images"] = counts.get("images", 0) + len(grid)
+            counts["patches"] = counts.get("patches", 0) + int(grid.prod(-1).sum())
+        return batch
+
+    trainer.stepper.next_batch = counted
+    return counts
+
+
+def _image_rates(
+    counts: dict[str, int], elapsed: float, steps: int, cpu_step: float | None
+) -> dict:
+    """``images_per_s_per_device`` (and on CPU ``images_per_cpu_s``, per median process CPU
+    time of a step) and the images and patches per timed step; nothing for text data."""
+    if not counts:
+        return {}
+    per_step = counts["images"] / steps
+    return {
+        "images_per_s_per_device": round(counts["images"] / elapsed, 2),
+        "images_per_cpu_s": round(per_step / cpu_step, 2) if cpu_step else None,
+        "images_per_step": per_step,
+        "patches_per_step": counts["patches"] / steps,
     }
 
 

@@ -315,6 +315,14 @@ COMMANDS: dict[str, Mode] = {
         "two 20-step runs (1 and 4 ranks): too slow for a doc check (test_loss_compare.py)"
     ),
     # docs/performance.md
+    "python benchmarks/vlm_throughput.py --samples 64 --warmup 2 --steps 8 --threads 1": Skip(
+        BENCH
+    ),
+    "python benchmarks/vlm_throughput.py --samples 64 --warmup 2 --steps 8 --threads 1 "
+    "--text-weight 1": Skip(BENCH),
+    "python benchmarks/throughput.py --warmup 2 --steps 8 --threads 1 -- --job.config_file "
+    "train_configs/debug_model.toml --model.name qwen3_5 --model.flavor debugmodel "
+    "--training.seq_len 512 --training.local_batch_size 4": Skip(BENCH),
     "python benchmarks/throughput.py --ladder --threads 1 --warmup 2 --steps 4 --peak-budget 3 -- "
     "--job.config_file train_configs/debug_model.toml --job.dump_folder /tmp/perf7/bench "
     "--no-quantize.dense.float8.auto_filter_small_kn": Skip(BENCH),

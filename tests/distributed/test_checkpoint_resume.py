@@ -19,11 +19,13 @@ from tests.checkpoint_helpers import (
     assert_checkpoints_identical,
     ckpt_argv,
     fresh_metrics,
+    read_checkpoint,
     run_until_rank_killed,
     train_with_faults,
 )
 from tests.launcher import run_ranks
 from tests.parity import assert_losses_match, losses
+from torchtitan.config.sections import CHECKPOINT_PARTS
 
 FSDP2 = ["--training.local_batch_size", "4"]
 FSDP4 = ["--training.local_batch_size", "2"]
@@ -172,6 +174,9 @@ def test_bitwise_resume(
     assert losses(resumed) == losses(ref)[3:], (losses(resumed), losses(ref)[3:])
     assert [m["grad_norm"] for m in resumed] == [m["grad_norm"] for m in ref[3:]]
     n = assert_checkpoints_identical(_ckpt(ref_dump, 6), _ckpt(tmp_path, 6))
+    # the parts of a checkpoint without fault tolerance: none added (DiLoCo's is its own)
+    parts = {k.split(".", 1)[0] for k in read_checkpoint(_ckpt(tmp_path, 6))}
+    assert parts == set(CHECKPOINT_PARTS), parts
     print(f"{layout}: 3 steps + resume + 3 steps == 6 steps; {n} checkpoint entries identical")
 
 

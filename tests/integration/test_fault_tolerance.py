@@ -51,7 +51,7 @@ def _common_step(replicas: list[Replica], after: int) -> int:
     return min(common, default=0)
 
 
-def _kill_and_rejoin(tmp_path: Path, groups: int, ngpu: int) -> dict[str, float]:
+def _kill_and_rejoin(tmp_path: Path, groups: int, ngpu: int) -> dict[str, float | str]:
     """Kill the last group at its step 4, relaunch it at once (as a restart policy would);
     once it has recovered, the first checkpoint every group writes must be bitwise equal."""
     lighthouse = Lighthouse(tmp_path)
@@ -84,7 +84,8 @@ def _kill_and_rejoin(tmp_path: Path, groups: int, ngpu: int) -> dict[str, float]
         folders = [
             r.folder / "checkpoint" / f"step-{_common_step(replicas, after)}" for r in replicas
         ]
-        survivor_steps = [s for s, _ in survivors[0].steps()]
+        survivor_curve = survivors[0].steps()  # (step, loss) of rank 0, in the order logged
+        survivor_steps = [s for s, _ in survivor_curve]
     finally:
         for r in replicas:
             if r.proc.poll() is None:
@@ -102,6 +103,8 @@ def _kill_and_rejoin(tmp_path: Path, groups: int, ngpu: int) -> dict[str, float]
         "recovered_at_step": float(recovered[0][0]),
         "recovery_s": float(recovered[0][1]),
         "relaunch_to_recovered_s": time.monotonic() - killed,
+        "survivor_steps_completed": len(set(survivor_steps)),
+        "survivor_loss_curve": " ".join(f"{s}:{loss:.3f}" for s, loss in survivor_curve),
     }
 
 

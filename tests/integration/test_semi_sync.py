@@ -152,11 +152,11 @@ def _records(folder: Path) -> list[dict]:
 
 def _launch(tmp_path: Path, name: str, steps: int, *args: str) -> list[Path]:
     """Two replica groups of one rank through run_train.sh for ``steps`` steps; their dump
-    folders."""
+    folders (``tmp_path/name/replica<g>``, which may hold checkpoints to resume from)."""
     from tests.ft_helpers import Lighthouse, Replica
 
     folder = tmp_path / name
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)
     lighthouse = Lighthouse(folder, min_replicas=2)  # both groups from step 1
     run_args = ("--training.steps", str(steps), "--fault_tolerance.min_replicas", "2", *args)
     replicas = [Replica(folder, g, 2, 1, lighthouse.address, *run_args) for g in range(2)]
@@ -210,11 +210,48 @@ def test_bytes_per_step_fall_by_the_interval(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_diloco_group_killed_and_relaunched_rejoins(tmp_path: Path) -> None:
-    """DiLoCo every 2 steps, 2 groups x 1 rank: the last group is SIGKILLed at its step 4 and
-    relaunched; the survivor goes on; the relaunched group receives its peer's state at a
-    sync's quorum, and at the next checkpoint both (a sync step) hold the same weights bitwise
-    (the inner optimizers' moments are each group's own, so only the model is compared)."""
+def test_diloco_resume_restores_the_outer_state_bitwise(tmp_path: Path) -> None:
+    """DiLoCo every 2 steps, 2 groups x 1 rank, a checkpoint every step: 5 straight steps ==
+    resumed from the step-2 checkpoint (a sync step) and from the step-3 one (mid-interval:
+    the last synced weights are step 2's, one inner step taken since), every checkpoint entry
+    (model, inner optimizer, DiLoCo's last synced weights and outer momentum, data position,
+    RNG) bitwise, in both groups."""
+    import shutil
+
+    import torch
+
+    from tests.checkpoint_helpers import assert_checkpoints_identical, read_checkpoint
+
+    args = ("--checkpoint.enable", "--checkpoint.interval", "1", "--fault_tolerance.semi_sync")
+    args += ("diloco", "--fault_tolerance.sync_every", "2")
+    straight = _launch(tmp_path, "straight", 5, *args)
+    at3 = read_checkpoint(straight[0] / "checkpoint" / "step-3")
+    model = {k[6:]: v for k, v in at3.items() if k.startswith("model.")}
+    synced = {k[14:]: v for k, v in at3.items() if k.startswith("diloco.synced.")}
+    momentum = [v for k, v in at3.items() if k.startswith("diloco.momentum.")]
+    assert set(synced) == set(model) and len(momentum) == len(model)  # under the same names
+    assert all(v.abs().sum() > 0 for v in momentum)  # the outer step of step 2
+    assert any(not torch.equal(synced[k], model[k]) for k in model)  # step 2's, not step 3's
+    for start, compared in ((2, (4, 5)), (3, (5,))):
+        name = f"from{start}"
+        for g, src in enumerate(straight):
+            dst = tmp_path / name / f"replica{g}" / "checkpoint" / f"step-{start}"
+            shutil.copytree(src / "checkpoint" / f"step-{start}", dst)
+        resumed = _launch(tmp_path, name, 5, *args)
+        for a, b in zip(straight, resumed, strict=True):
+            for step in compared:
+                ckpt = Path("checkpoint") / f"step-{step}"
+                assert assert_checkpoints_identical(a / ckpt, b / ckpt) > 3 * len(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["diloco", "local_sgd"])
+def test_group_killed_and_relaunched_rejoins(mode: str, tmp_path: Path) -> None:
+    """DiLoCo or LocalSGD every 2 steps, 2 groups x 1 rank: the last group is SIGKILLed at its
+    step 4 and relaunched; the survivor goes on; the relaunched group receives its peer's
+    state at a sync's quorum, and at the next checkpoint both (a sync step) hold the same
+    weights bitwise (the inner optimizers' moments are each group's own, so only the model is
+    compared)."""
     import torch
 
     from tests.checkpoint_helpers import read_checkpoint
@@ -223,7 +260,7 @@ def test_diloco_group_killed_and_relaunched_rejoins(tmp_path: Path) -> None:
 
     lighthouse = Lighthouse(tmp_path)
     args = ("--training.steps", "1000", "--checkpoint.enable", "--checkpoint.interval", "4")
-    args += ("--fault_tolerance.timeout_seconds", "10", "--fault_tolerance.semi_sync", "diloco")
+    args += ("--fault_tolerance.timeout_seconds", "10", "--fault_tolerance.semi_sync", mode)
     args += ("--fault_tolerance.sync_every", "2")
     replicas = [Replica(tmp_path, g, 2, 1, lighthouse.address, *args, fault=PACE) for g in range(2)]
     victim, survivor = replicas[1], replicas[0]
@@ -236,7 +273,8 @@ def test_diloco_group_killed_and_relaunched_rejoins(tmp_path: Path) -> None:
         wait_for(
             lambda: RECOVERED.search(victim.log.read_text()) is not None, 300, "recovery", replicas
         )
-        after = int(RECOVERED.findall(victim.log.read_text())[0][0])
+        recovered = RECOVERED.findall(victim.log.read_text())[0]
+        after = int(recovered[0])
         wait_for(lambda: _common_step(replicas, after) > 0, 300, "a common checkpoint", replicas)
         step = _common_step(replicas, after)
     finally:
@@ -245,6 +283,9 @@ def test_diloco_group_killed_and_relaunched_rejoins(tmp_path: Path) -> None:
                 r.sigkill()
         lighthouse.kill()
     states = [read_checkpoint(r.folder / "checkpoint" / f"step-{step}") for r in replicas]
-    models = [{k: v for k, v in s.items() if k.startswith("model.")} for s in states]
+    kept = ("model.", "diloco.")  # and DiLoCo's outer state, which a recovery hands over too
+    models = [{k: v for k, v in s.items() if k.startswith(kept)} for s in states]
     assert set(models[0]) == set(models[1]) and len(models[0]) > 10
+    assert any(k.startswith("diloco.") for k in models[0]) == (mode == "diloco")
     assert all(torch.equal(models[0][k], models[1][k]) for k in models[0]), step
+    print(f"{mode}: recovered at step {after} in {recovered[1]} s; step-{step} checkpoints equal")

@@ -217,3 +217,15 @@ def test_mtp_depth_bound_is_what_the_model_needs(monkeypatch: pytest.MonkeyPatch
     load_config([*CONFIG, *base, "--model.mtp_depth", str(seq - 2)], world_size=1)
     with pytest.raises(ConfigError, match="must be at most training.seq_len - 2 = 6"):
         load_config([*CONFIG, *base, "--model.mtp_depth", str(seq - 1)], world_size=1)
+
+
+def test_exclude_from_loading_takes_the_optional_parts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parts some runs add (DPO/GRPO's ``posttrain``, DiLoCo's ``diloco``) may be left
+    unloaded like the six every checkpoint has; a name of no part is refused, listing them all."""
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(["--checkpoint.exclude_from_loading", "diloco,posttrain,optimizer"])
+    assert cfg.checkpoint.exclude_from_loading == ["diloco", "posttrain", "optimizer"]
+    with pytest.raises(ConfigError) as e:
+        load_config(["--checkpoint.exclude_from_loading", "outer"])
+    assert e.value.field == "checkpoint.exclude_from_loading"
+    assert "'diloco'" in e.value.fix and "'posttrain'" in e.value.fix, str(e.value)

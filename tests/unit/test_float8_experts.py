@@ -260,3 +260,30 @@ def test_routed_path_has_no_host_sync(family: str) -> None:
     layer(x.requires_grad_()).sum().backward()
     update_expert_bias([model])
     assert layer.experts.projections and x.grad is not None and x.grad.device.type == "meta"
+
+
+def test_float8_routed_path_has_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The float8 experts' own work (group padding, rowwise and per-expert-column scales, the
+    quantisation, the un-padding gather) never reads the device from the host: a float8 layer's
+    forward and backward on the meta device, where a host read raises. The emulation's fp32
+    grouped GEMM has no meta kernel (torch 2.13: bf16 only), so here it multiplies in bf16; the
+    CUDA path's torchao kernels are not covered (no GPU in the suite)."""
+    import torchtitan.distributed.float8_grouped as fg
+    from torchtitan.models import MODELS
+    from torchtitan.models.common.moe import moe_layers
+
+    def meta_gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(a.bfloat16(), b.bfloat16(), offs=offs).float()
+
+    monkeypatch.setattr(fg, "_gmm", meta_gmm)
+    spec = MODELS["qwen3"]
+    args = spec.flavors["debugmodel_moe"]
+    with torch.device("meta"):
+        model = spec.build(args).to(torch.bfloat16)
+    assert len(apply_float8_experts(model, emulate=True, device_type="meta")) == 4
+    layer = moe_layers(model)[0]
+    layer.train()
+    x = torch.empty(2, 16, args.dim, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    layer(x).sum().backward()
+    grad = layer.experts.w1.grad
+    assert grad is not None and grad.device.type == "meta" and x.grad is not None

@@ -261,14 +261,19 @@ def test_a_batch_without_images_runs_the_tower_on_nothing() -> None:
     assert grad is not None and not bool(grad.any())
 
 
-def test_plan_gives_the_tower_its_own_units_and_refuses_pipeline_and_context() -> None:
-    """FSDP units, AC/compile blocks and the TP entries of the tower name real modules; tensor
-    parallel is taken (tests/integration/test_vlm_parallel.py), PP and CP refused."""
+def test_plan_gives_the_tower_its_own_units_and_places_it_for_every_layout() -> None:
+    """The tower: its own FSDP units and AC/compile blocks; replicated on the TP ranks with the
+    scatter's output placed (tests/integration/test_vlm_parallel.py); on the first pipeline
+    stage with the embedding and the scatter; its images whole on every cp rank; nothing
+    refused (docs/vlm.md, "Parallelism")."""
     args = MODELS["qwen3_5_vl"].flavors["debugmodel"]
     plan = MODELS["qwen3_5_vl"].parallel_plan(args)
     assert plan.fsdp_units == ("visual.blocks.0", "visual.blocks.1", "visual")
     assert plan.extra_blocks == ("visual.blocks",)
-    assert set(plan.refusals) == {"pipeline_parallel", "context_parallel"}
+    assert not plan.refusals
+    assert plan.pipeline_units[0].modules == ("tok_embeddings", "visual", "scatter")
+    assert plan.context_parallel is not None
+    assert plan.context_parallel.whole_inputs == ("pixel_values", "grid_thw")
     model = MODELS["qwen3_5_vl"].build(args)
     paths = [*plan.fsdp_units, *plan.extra_blocks, "scatter", *plan.tensor_parallel.root]
     assert all(model.get_submodule(path) is not None for path in paths)

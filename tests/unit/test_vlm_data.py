@@ -95,11 +95,11 @@ def test_bad_images_skipped_counted_and_logged_once(
     data = _dataset([])
     caplog.set_level(logging.WARNING)
     for raw in [*good, corrupt, corrupt, oversized]:
-        data._sample(raw)
+        data.sample(raw)
     assert data.skipped == {"bad image": 3}
     assert sum("skipping sample" in r.message for r in caplog.records) == 1
     with pytest.raises(ValueError, match="2 <image> placeholders but 1 images") as err:
-        data._sample(unpaired)
+        data.sample(unpaired)
     assert "row 6" in str(err.value) and "\n" not in str(err.value)
 
 

@@ -63,6 +63,7 @@ from torchtitan.checkpoint.trust import (
     encode_state,
 )
 from torchtitan.checkpoint.write_errors import make_step_folder, remove_partial_on_write_error
+from torchtitan.config.sections import CHECKPOINT_PARTS
 from torchtitan.guards.spikes import TrainingAborted, weights_finite
 from torchtitan.tools.fault_injection import Faults
 from torchtitan.tools.logging import logger
@@ -70,7 +71,6 @@ from torchtitan.tools.torch_compat import DEFAULT_STAGER_SINGLE_USE
 
 AsyncMode = Literal["disabled", "async", "async_with_pinned_mem"]
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-COMPONENTS = frozenset({"model", "optimizer", "lr_scheduler", "train_state", "dataloader", "rng"})
 
 
 class _StagerLifecycle:
@@ -241,11 +241,13 @@ class CheckpointManager:
         dist.broadcast_object_list(reason, src=0, group=self.pg)
         if reason[0] is not None:
             raise RuntimeError(f"checkpoint.initial_load_path {path} is invalid: {reason[0]}")
-        wanted = {"model"} if self.initial_load_model_only else COMPONENTS | set(self.extra_state)
+        wanted = (
+            {"model"} if self.initial_load_model_only else CHECKPOINT_PARTS | set(self.extra_state)
+        )
         return self._load_from(path, wanted - set(self.exclude_from_loading))
 
     def _components(self) -> set[str]:
-        return (set(COMPONENTS) | set(self.extra_state)) - set(self.exclude_from_loading)
+        return (set(CHECKPOINT_PARTS) | set(self.extra_state)) - set(self.exclude_from_loading)
 
     def _partial_model(self) -> bool:
         """Whether checkpoints hold only part of the model (``checkpoint_keys``: adapters)."""

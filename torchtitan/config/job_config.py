@@ -65,7 +65,7 @@ class Model:
     """Attention mask of packed training windows: causal (every token sees all earlier tokens of the window, including the previous documents) or block_causal (only earlier tokens of its own document; batches then carry document ids, see docs/attention.md)."""
 
     attn_backend: Literal["auto", "sdpa", "flex"] = "auto"
-    """Kernel for block_causal attention: sdpa (a dense boolean mask, exact, any device), flex (FlexAttention with a block mask built once per batch; CUDA, skips blocks between documents) or auto (flex on CUDA without context parallel, else sdpa). Causal attention always uses SDPA."""
+    """Kernel for block_causal attention: sdpa (a dense boolean mask, exact, any device), flex (FlexAttention with a block mask built once per batch, or per layer forward under context parallel from the gathered keys; CUDA, skips blocks between documents; all-gather CP only) or auto (flex on CUDA without context parallel, else sdpa). Causal attention always uses SDPA."""
 
     n_layers: int = -1
     """Number of transformer blocks, every other dimension kept (e.g. ``--model.flavor 30B-A3B --model.n_layers 4``: the published expert shapes at 4 blocks, for benchmarks); -1 keeps the flavor's. DeepSeek-V3 keeps its dense first blocks' share of the depth, at least one and at least one MoE block (docs/moe.md)."""
@@ -171,6 +171,9 @@ class Training:
 
     loss_chunk_size: int = 0
     """Chunked linear + cross-entropy: compute the output projection and the loss this many tokens at a time (each chunk recomputed in backward), so the full [tokens, vocab] logits never exist; 0 computes the logits whole. Same loss and gradients (docs/memory.md)."""
+
+    image_tokens_per_sample: int = 0
+    """Vision-language models: the mean merged image tokens per sample (row) of the training data, counted as one image per sample; the vision tower's training FLOPs for their patches (image tokens x spatial_merge_size^2) are added to the FLOPs per token behind MFU, benchmarks/throughput.py and the planner. 0 counts the decoder only (docs/vlm.md, "Planning")."""
 
 
 @dataclass

@@ -9,6 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+CHECKPOINT_PARTS = frozenset(
+    {"model", "optimizer", "lr_scheduler", "train_state", "dataloader", "rng"}
+)
+"""The parts every checkpoint holds (``checkpoint/manager.py``)."""
+POSTTRAIN_PART = "posttrain"  # training.mode dpo/grpo: the frozen reference, sampling generators
+DILOCO_PART = "diloco"  # fault_tolerance.semi_sync = "diloco": the outer optimizer's state
+OPTIONAL_CHECKPOINT_PARTS = frozenset({POSTTRAIN_PART, DILOCO_PART})
+"""Parts a checkpoint holds only in the runs that add them (``Trainer._checkpoint_extra``)."""
+
 
 @dataclass
 class Checkpoint:
@@ -34,7 +43,7 @@ class Checkpoint:
     """Check every file's SHA-256 against the manifest before loading (reads the checkpoint once more); sizes are always checked."""
 
     exclude_from_loading: list[str] = field(default_factory=list)
-    """Parts of a checkpoint not to load: any of model, optimizer, lr_scheduler, dataloader, train_state (then training restarts at step 0), rng."""
+    """Parts of a checkpoint not to load: any of model, optimizer, lr_scheduler, dataloader, train_state (then training restarts at step 0), rng, and the parts some runs add: posttrain (dpo/grpo), diloco (fault_tolerance.semi_sync = "diloco")."""
 
     initial_load_path: str = ""
     """When the checkpoint folder holds no checkpoint yet (or checkpoint.enable is off), load initial weights from this step-N folder (e.g. made by scripts/convert_from_hf.py), or from a Hugging Face folder with initial_load_in_hf; empty starts from random weights."""

@@ -30,6 +30,7 @@ __all__ = [
     "LoaderRequest",
     "build_data_loader",
     "is_token_corpus",
+    "mixture_source",
     "source_label",
 ]
 
@@ -50,11 +51,14 @@ def is_token_corpus(path: str) -> bool:
 
 
 def source_label(source: MixtureSource) -> str:
-    """The name a mixture source has in logs and metrics: its dataset, else its path's name."""
-    return source.dataset or Path(source.path.rstrip("/")).name
+    """The name a mixture source has in logs and metrics: its dataset, else (and for an
+    image-text source, ``dataset = "vlm"``) its path's name."""
+    if source.dataset and source.dataset != "vlm":
+        return source.dataset
+    return Path(source.path.rstrip("/")).name
 
 
-def _mixture_source(
+def mixture_source(
     i: int, src: MixtureSource, tokenizer: AnyTokenizer, seq_len: int, opts: DataOptions
 ) -> Source:
     """Source ``i`` of the mixture; its errors name ``training.mixture[i]``'s fields."""
@@ -117,7 +121,7 @@ def _mixture(req: LoaderRequest) -> MixtureDataset:
     opts = req.options
     return MixtureDataset(
         [
-            _mixture_source(i, s, req.tokenizer, req.seq_len, opts)
+            mixture_source(i, s, req.tokenizer, req.seq_len, opts)
             for i, s in enumerate(opts.mixture)
         ],
         [s.weight for s in opts.mixture],

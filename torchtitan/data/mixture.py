@@ -22,7 +22,7 @@ import copy
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ from torchdata.stateful_dataloader import Stateful
 from torchtitan.data.dataloader import PackedTokenDataset, document_ids
 from torchtitan.data.tokenized_dataset import WindowOrder
 
-__all__ = ["MixtureDataset", "SourceRunOut", "TextSource", "TokenizedSource"]
+__all__ = ["MixtureDataset", "SourceRunOut", "TextSource", "TokenizedSource", "WindowSource"]
 
 logger = logging.getLogger(__name__)
 Exhausted = Literal["wrap", "error"]
@@ -107,6 +107,20 @@ class TextSource:
 Source = TokenizedSource | TextSource
 
 
+class WindowSource(Protocol):
+    """What a mixture reads: a source's window ``c`` (for text, ``(tokens, doc_ids)``; for
+    image-text, ``data/vlm_mixture.py``, a sample), and its checkpointed state."""
+
+    name: str
+    sequential: bool
+
+    def window(self, c: int) -> Any: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class MixtureDataset(IterableDataset, Stateful):
     """This data-parallel rank's ``(inputs, labels[, doc_ids])`` windows of a weighted mixture."""
 
@@ -114,7 +128,7 @@ class MixtureDataset(IterableDataset, Stateful):
 
     def __init__(
         self,
-        sources: list[Source],
+        sources: list[Source] | list[WindowSource],
         weights: list[float],
         seq_len: int,
         dp_rank: int = 0,
@@ -144,13 +158,15 @@ class MixtureDataset(IterableDataset, Stateful):
     def metrics_fields(self) -> dict[str, int]:
         return {f"data/tokens_{name}": n for name, n in self.source_tokens().items()}
 
-    def _item(self, tokens: np.ndarray, doc_ids: np.ndarray) -> tuple[torch.Tensor, ...]:
+    def _item(self, window: Any) -> Any:
+        """The row of a source's window: ``(inputs, labels[, doc_ids])``."""
+        tokens, doc_ids = window
         t = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
         if self.with_doc_ids:
             return t[:-1], t[1:], torch.from_numpy(np.ascontiguousarray(doc_ids[:-1]))
         return t[:-1], t[1:]
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+    def __iter__(self) -> Iterator[Any]:
         if self._pending is not None:
             state, self._pending = self._pending, None
             self._position, self._counts = state["windows"], list(state["counts"])
@@ -170,7 +186,7 @@ class MixtureDataset(IterableDataset, Stateful):
                     source.window(c)  # a text stream must be read in order on every rank
             self._position += self.dp_world_size
             assert mine is not None
-            yield self._item(*mine)
+            yield self._item(mine)
 
     def state_dict(self) -> dict[str, Any]:
         if self._pending is not None:

@@ -11,12 +11,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.job_config import Training
 from torchtitan.config.sections import Sft
-from torchtitan.data.builder import DataOptions, build_data_loader
+from torchtitan.data.builder import DataOptions, build_data_loader, mixture_source, source_label
 from torchtitan.data.chat_data import ChatDataset
+from torchtitan.data.chat_template import resolve_chat_template
 from torchtitan.data.dataloader import ParallelAwareDataloader
 from torchtitan.data.tokenizer import AnyTokenizer
-from torchtitan.data.vlm_dataset import ImageTokens, VLMDataset, collate, source_files
+from torchtitan.data.vlm_dataset import VLMDataset, collate, image_tokens, source_files
 from torchtitan.data.vlm_images import ImageRules
+from torchtitan.data.vlm_mixture import ImageTextSource, RawIndex, VLMMixtureDataset
 
 
 def rank_dataloader(
@@ -36,14 +38,17 @@ def rank_dataloader(
 ) -> ParallelAwareDataloader:
     """``dataset`` at ``dataset_path`` (the training or the validation set) for this rank of
     ``dp_mesh``; ``with_doc_ids`` (block_causal attention) adds each token's document id;
-    ``model_args`` (the ``vlm`` dataset only): the model's vision settings and image token;
+    ``model_args`` (image-text data only: :func:`uses_images`): the run's model args (its
+    vision settings and image token ids);
     ``shard``: the (data rank, data world) to read instead of ``dp_mesh``'s (fault-tolerant
     replica groups each read their own share: docs/fault_tolerance.md)."""
     t = training
     if dataset == "chat":  # chat SFT rows with prompt-masked labels (docs/sft.md)
         return chat_dataloader(t, sft, dataset_path, tokenizer, dp_mesh, infinite, with_doc_ids)
     if dataset == "vlm":  # image-text samples (docs/vlm.md)
-        return vlm_dataloader(t, dataset_path, tokenizer, dp_mesh, infinite, model_args)
+        return vlm_dataloader(t, sft, dataset_path, tokenizer, dp_mesh, infinite, model_args)
+    if uses_images(t, dataset):  # image-text and text sources at weights (docs/vlm.md)
+        return vlm_mixture_dataloader(t, sft, tokenizer, dp_mesh, seed, model_args, shard)
     return build_data_loader(
         dataset=dataset,
         dataset_path=dataset_path,
@@ -87,24 +92,67 @@ def chat_dataloader(
     return ParallelAwareDataloader(chat, rank, world, batch_size=training.local_batch_size)
 
 
+def uses_images(training: Training, dataset: str) -> bool:
+    """Whether ``dataset`` is image-text data (``vlm``, or a mixture with a ``vlm`` source):
+    its loader needs the run's model args."""
+    mixed = dataset == "mixture" and any(s.dataset == "vlm" for s in training.mixture)
+    return dataset == "vlm" or mixed
+
+
+def image_rules(model_args: Any) -> ImageRules:
+    v = model_args.vision
+    return ImageRules(v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
+
+
 def vlm_dataloader(
     training: Training,
+    sft: Sft,
     path: str | None,
     tokenizer: AnyTokenizer,
     dp_mesh: DeviceMesh,
     infinite: bool,
     model_args: Any,
 ) -> ParallelAwareDataloader:
-    """The ``vlm`` dataset's loader: patches and placeholders by the model's vision tower
-    (``model_args.vision``) and image token (preflight: validate_samples.py); batches are dicts
-    (``vlm_dataset.py: collate``)."""
+    """The ``vlm`` dataset's loader: patches and placeholders by the run's model args (its
+    tower's sizes, ``vlm_dataset.py: image_tokens``; preflight: validate_samples.py); batches
+    are dicts (``vlm_dataset.py: collate``)."""
     assert path is not None  # preflight requires a dataset_path for "vlm"
-    v = model_args.vision
-    rules = ImageRules(v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
-    ids = ImageTokens(model_args.image_token_id)
+    rules, ids = image_rules(model_args), image_tokens(model_args)
     rank, world = dp_mesh.get_local_rank(), dp_mesh.size()
+    template = resolve_chat_template(tokenizer, sft.chat_template)  # chat samples
     data = VLMDataset(
-        source_files(Path(path)), tokenizer, training.seq_len, rules, ids, rank, world, infinite
-    )
+        source_files(Path(path)), tokenizer, training.seq_len, rules, ids, rank, world, infinite,
+        template,
+    )  # fmt: skip
+    batch = training.local_batch_size
+    return ParallelAwareDataloader(data, rank, world, batch_size=batch, collate_fn=collate)
+
+
+def vlm_mixture_dataloader(
+    training: Training,
+    sft: Sft,
+    tokenizer: AnyTokenizer,
+    dp_mesh: DeviceMesh,
+    seed: int,
+    model_args: Any,
+    shard: tuple[int, int] | None = None,
+) -> ParallelAwareDataloader:
+    """A ``mixture`` with ``dataset = "vlm"`` sources: image-text samples and text windows at
+    the tables' weights, rows of :class:`VLMMixtureDataset` (``data/vlm_mixture.py``), for
+    ``shard`` (data rank, data world) or ``dp_mesh``'s rank (window sharding, as text mixtures)."""
+    t, rules, ids = training, image_rules(model_args), image_tokens(model_args)
+    opts = DataOptions(t.tokenized_shuffle, seed, t.mixture, t.mixture_exhausted)
+    sources: list[Any] = []
+    for i, src in enumerate(t.mixture):
+        if src.dataset != "vlm":
+            sources.append(mixture_source(i, src, tokenizer, t.seq_len, opts))
+            continue
+        template = resolve_chat_template(tokenizer, sft.chat_template)
+        builder = VLMDataset([], tokenizer, t.seq_len, rules, ids, template=template)
+        index = RawIndex(source_files(Path(src.path)))
+        sources.append(ImageTextSource(source_label(src), index, builder, t.mixture_exhausted))
+    rank, world = shard if shard else (dp_mesh.get_local_rank(), dp_mesh.size())
+    weights = [s.weight for s in t.mixture]
+    data = VLMMixtureDataset(sources, weights, t.seq_len, rules.patch_dim, rank, world)
     batch = training.local_batch_size
     return ParallelAwareDataloader(data, rank, world, batch_size=batch, collate_fn=collate)

@@ -42,6 +42,11 @@ class ImageRules:
     def factor(self) -> int:
         return self.patch_size * self.merge_size
 
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened patch (3 channels x frames x pixels)."""
+        return 3 * self.temporal_patch_size * self.patch_size**2
+
     def tokens(self, grid: tuple[int, int, int]) -> int:
         """Merged tokens (placeholders) of an image of patch grid ``(t, h, w)``."""
         t, h, w = grid

@@ -54,6 +54,10 @@ class ContextParallelPlan:
     """torch's ring attention (causal, ``context_parallel_method = ring``) can run the model.
     False where a layer outside the attention core reads the whole sequence (linear attention:
     torch's ring patches only SDPA)."""
+    whole_inputs: tuple[str, ...] = ()
+    """Keyword inputs of the forward that every cp rank receives whole, not split along the
+    sequence (per-sample tensors such as a vision-language batch's images); every other
+    keyword input is ``[B, S, ...]`` and sharded like the tokens."""
 
 
 @dataclass(frozen=True)

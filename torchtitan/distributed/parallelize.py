@@ -69,6 +69,8 @@ def parallelize(
             n_rep=cp.kv_repeat,
             method=par.context_parallel_method,
             document_mask=cfg.model.attn_mask_type == "block_causal",
+            # auto is sdpa under CP (models/common/attention.py: resolve_attn_backend)
+            attn_backend="flex" if cfg.model.attn_backend == "flex" else "sdpa",
         )
     ac = cfg.activation_checkpoint
     extra = [submodule_or_none(model, path) for path in plan.extra_blocks]
@@ -90,7 +92,8 @@ def parallelize(
             mesh = dims.get_mesh("expert_fsdp")
             apply_expert_fsdp(model, experts, mesh, param_dtype, reduce_dtype, reshard)
             experts = []  # nested FSDP units now: the blocks' FSDP skips them
-        units = [model.get_submodule(path) for path in plan.fsdp_units]
+        # (a unit a pipeline stage does not hold is not there: the first stage's vision tower)
+        units = [m for path in plan.fsdp_units if (m := submodule_or_none(model, path)) is not None]
         apply_fsdp(
             model,
             units + list(blocks.values()),

@@ -7,7 +7,7 @@ from __future__ import annotations
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.fault_tolerance.memory import fault_tolerance_memory
-from torchtitan.fault_tolerance.semi_sync import outer_settings
+from torchtitan.fault_tolerance.outer_state import outer_settings
 
 MIB = 2**20
 

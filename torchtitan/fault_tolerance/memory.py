@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torchtitan.config.sections import FaultTolerance
-from torchtitan.fault_tolerance.semi_sync import outer_settings
+from torchtitan.fault_tolerance.outer_state import outer_settings
 
 
 @dataclass(frozen=True)

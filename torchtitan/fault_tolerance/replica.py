@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from torchtitan.config.sections import FaultTolerance
+from torchtitan.fault_tolerance.outer_state import PART, OuterState
 from torchtitan.fault_tolerance.semi_sync import SemiSync
 from torchtitan.guards.spikes import TrainingAborted
 from torchtitan.tools.logging import logger
@@ -74,7 +75,9 @@ class ReplicaGroup:
         on_data_reset: Any,
         step: int,
         device: torch.device,
+        outer_state: OuterState | None = None,
     ) -> None:
+        """``outer_state``: DiLoCo's checkpoint part (outer_state.py), when checkpointing."""
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         # torch's loader of a received state warns that torchft's read-only buffer is copied
@@ -117,7 +120,7 @@ class ReplicaGroup:
         self._step, self._peer_step = step, None  # this group's step; a peer's, on recovery
         self.semi = None
         if ft.semi_sync != "none":
-            self.semi = SemiSync(ft, self.manager, model_parts, optimizer)
+            self.semi = SemiSync(ft, self.manager, model_parts, optimizer, step, outer_state)
         sync = "every step" if self.semi is None else f"{ft.semi_sync} every {ft.sync_every}"
         logger.info(
             f"fault tolerance: replica group {ft.replica_id} of {ft.group_size}, lighthouse "
@@ -154,6 +157,7 @@ class ReplicaGroup:
             steps.data_iter = None
             steps.microbatches_drawn = trainer.replicas.resumed_step() * steps.grad_accum_steps
 
+        ckpt = trainer.checkpointer
         group = cls(
             trainer.cfg.fault_tolerance,
             trainer.model_parts,
@@ -163,8 +167,8 @@ class ReplicaGroup:
             data_reset,
             trainer.step,
             trainer.device,
+            ckpt.extra_state.get(PART) if ckpt is not None else None,
         )
-        ckpt = trainer.checkpointer
         if ckpt is not None:
 
             def save(step: int) -> None:  # the last committed step, unless saved already

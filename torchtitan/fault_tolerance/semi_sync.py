@@ -17,16 +17,7 @@ import torch
 from torch import nn
 
 from torchtitan.config.sections import FaultTolerance
-
-OUTER_LR = 0.7  # the DiLoCo paper's outer learning rate and Nesterov momentum
-OUTER_MOMENTUM = 0.9
-
-
-def outer_settings(ft: FaultTolerance) -> tuple[float, float]:
-    """DiLoCo's (outer lr, outer momentum): the configured ones, else the paper's."""
-    lr = OUTER_LR if ft.outer_lr is None else float(ft.outer_lr)
-    momentum = OUTER_MOMENTUM if ft.outer_momentum is None else float(ft.outer_momentum)
-    return lr, momentum
+from torchtitan.fault_tolerance.outer_state import OuterState
 
 
 class SemiSync:
@@ -41,20 +32,26 @@ class SemiSync:
         manager: Any,
         model_parts: list[nn.Module],
         optimizer: torch.optim.Optimizer,
+        step: int,
+        outer_state: OuterState | None = None,
     ) -> None:
+        """``step``: the step the run starts after (a resume's); ``outer_state``: DiLoCo's
+        checkpoint part, loaded already when the run resumed (else one is made here)."""
         from torchft.local_sgd import DiLoCo, LocalSGD
 
         self.optimizer = optimizer
-        model = nn.ModuleList(model_parts)  # one fragment: this rank's whole share
         self.algorithm: LocalSGD | DiLoCo
         if ft.semi_sync == "diloco":
-            lr, momentum = outer_settings(ft)
-            self.outer = torch.optim.SGD(
-                list(model.parameters()), lr=lr, momentum=momentum, nesterov=momentum > 0
+            outer = outer_state or OuterState(ft, model_parts)
+            # one fragment: this rank's whole share
+            self.algorithm = DiLoCo(
+                manager, [outer.model], optimizer, outer.optimizer, ft.sync_every
             )
-            self.algorithm = DiLoCo(manager, [model], optimizer, self.outer, ft.sync_every)
+            outer.attach(self.algorithm._fragments[0].original_parameters, step)
         else:
-            self.algorithm = LocalSGD(manager, model, optimizer, ft.sync_every)
+            self.algorithm = LocalSGD(manager, nn.ModuleList(model_parts), optimizer, ft.sync_every)
+        # inner steps since the last sync: the groups sync at the multiples of sync_every
+        self.algorithm._local_step = step % ft.sync_every
 
     def after_inner_step(self) -> bool:
         """Count the inner step; at the sync_every-th, sync the groups (a quorum, then the

@@ -60,12 +60,16 @@ class TrainableModel(Protocol):
     """What the trainer calls on a built model beyond ``nn.Module``: ``init_weights`` after
     ``to_empty`` (the same seed gives the same weights whatever the parallelism or split).
 
-    Two members are optional (read through :func:`batch_inputs` and :func:`buffer_init`, which
-    give their defaults): ``batch_inputs(tokens) -> dict`` adds keyword inputs to every batch,
-    made from whole sequences before context parallel shards them and given to every pipeline
-    stage (default: none; DeepSeek-V3's multi-token prediction tokens); ``init_buffers(device)``
-    fills the buffers alone, so that the weights' init can wait for a checkpoint load that
-    would overwrite them (default: no such split, the weights are initialised at build)."""
+    Three members are optional (read through :func:`batch_inputs`, :func:`image_inputs` and
+    :func:`buffer_init`, which give their defaults): ``batch_inputs(tokens) -> dict`` adds
+    keyword inputs to every batch, made from whole sequences before context parallel shards them
+    and given to every pipeline stage (default: none; DeepSeek-V3's multi-token prediction
+    tokens); ``image_inputs(tokens, pixel_values, grid_thw, microbatched) -> dict`` gives an
+    image batch's keyword inputs, likewise from whole sequences, each splittable along the
+    batch when ``microbatched`` (a pipeline schedule) (default: the collated two as they are;
+    qwen3_5_vl's per-sample form, docs/vlm.md); ``init_buffers(device)`` fills the buffers
+    alone, so that the weights' init can wait for a checkpoint load that would overwrite them
+    (default: no such split, the weights are initialised at build)."""
 
     def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None: ...
 
@@ -75,6 +79,21 @@ def batch_inputs(part: nn.Module, tokens: torch.Tensor) -> dict[str, torch.Tenso
     for a batch of ``tokens``, ``{}`` when it declares none."""
     method = getattr(part, "batch_inputs", None)
     return method(tokens) if callable(method) else {}
+
+
+def image_inputs(
+    part: nn.Module,
+    tokens: torch.Tensor,
+    pixel_values: torch.Tensor,
+    grid_thw: torch.Tensor,
+    microbatched: bool,
+) -> dict[str, torch.Tensor]:
+    """The optional ``TrainableModel.image_inputs`` of a model (part): the keyword inputs of an
+    image batch, by default its ``pixel_values`` and ``grid_thw`` as collated."""
+    method = getattr(part, "image_inputs", None)
+    if callable(method):
+        return method(tokens, pixel_values, grid_thw, microbatched)
+    return {"pixel_values": pixel_values, "grid_thw": grid_thw}
 
 
 def buffer_init(part: nn.Module) -> Callable[[torch.device], None] | None:

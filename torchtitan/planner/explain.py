@@ -10,6 +10,7 @@ memory, LoRA's frozen base, ...), and warnings about choices that usually cost s
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -19,6 +20,7 @@ from torchtitan.distributed.utils import device_type as detect_device_type
 from torchtitan.fault_tolerance.explain import fault_tolerance_lines
 from torchtitan.models import MODELS, model_title
 from torchtitan.models.common.attention import resolve_attn_backend
+from torchtitan.models.common.vision.flops import tower_training_flops
 from torchtitan.planner.estimator import (
     GIB,
     MemoryEstimate,
@@ -27,6 +29,7 @@ from torchtitan.planner.estimator import (
     in_flight_microbatches,
     model_args_for,
 )
+from torchtitan.planner.lora_memory import training_flops_per_token
 from torchtitan.planner.moe_explain import moe_lines
 from torchtitan.preflight.validate import pipeline_stages
 
@@ -124,6 +127,7 @@ def explain(
     add(_attention_line(cfg, device_type, dims.cp))
     lines.extend(fault_tolerance_lines(cfg, dims, MODELS[cfg.model.name].num_params(args)))
     lines.extend(moe_lines(cfg, args, dims, device_type))  # MoE flavors only
+    lines.extend(_vision_lines(cfg, args, training_flops_per_token(cfg, args)))  # VLMs only
     if plan is not None:
         mb = t.local_batch_size // plan.n_microbatches
         bubble = pipeline_bubble(
@@ -207,3 +211,30 @@ def _attention_line(cfg: JobConfig, device_type: str, cp: int) -> str:
         f"attention: block_causal (documents split at EOS), {kernel}, {pos} RoPE positions; "
         "MFU counts causal attention FLOPs (skipped blocks too: an upper bound)"
     )
+
+
+def _vision_lines(cfg: JobConfig, args: Any, flops_per_token: int) -> list[str]:
+    """The tower's parameters and its share of a step's FLOPs (no line without a tower)."""
+    v = getattr(args, "vision", None)
+    if v is None:
+        return []
+    t = cfg.training
+    patches = t.image_tokens_per_sample * v.spatial_merge_size**2
+    tower = tower_training_flops(v, patches)
+    share = tower / (flops_per_token * t.seq_len) if flops_per_token else 0.0
+    head = (
+        f"vision tower: {v.num_params() / 1e6:,.1f} M parameters (in the memory estimate; "
+        f"its activations are not), {v.depth} blocks of width {v.dim}"
+    )
+    if not patches:
+        return [
+            head,
+            "  training.image_tokens_per_sample = 0: FLOPs per token and MFU count the "
+            "decoder only; set it to the data's mean image tokens per sample",
+        ]
+    return [
+        head,
+        f"  {t.image_tokens_per_sample} image tokens per sample = {patches} patches: "
+        f"{tower / 1e9:,.2f} GFLOP per sample, {share:.1%} of a step's FLOPs "
+        f"(counted in MFU; training.image_tokens_per_sample)",
+    ]

@@ -25,6 +25,7 @@ from torchtitan.config.job_config import JobConfig, Lora
 from torchtitan.lora.apply import apply_lora, with_targets
 from torchtitan.lora.layers import is_adapter_name
 from torchtitan.models import MODELS
+from torchtitan.models.common.vision.flops import tower_flops_per_token
 
 __all__ = [
     "DEQUANT_BYTES",
@@ -131,8 +132,13 @@ def training_flops_per_token(cfg: JobConfig, args: Any) -> int:
     base computes no weight gradients: ``6 N`` becomes ``4 N``, and the adapters add their own
     ``6 n``. Work that is not a model matmul is left out, as MFU conventionally does: QLoRA's
     dequantization, the optimizer (AdamW, Muon's Newton-Schulz) and activation recompute lower
-    MFU instead of adding to its numerator."""
-    flops = MODELS[cfg.model.name].flops_per_token(args, cfg.training.seq_len)
+    MFU instead of adding to its numerator. A vision tower counts per patch of the
+    ``training.image_tokens_per_sample`` (``models/common/vision/flops.py``)."""
+    t = cfg.training
+    flops: float = MODELS[cfg.model.name].flops_per_token(args, t.seq_len)
+    vision = getattr(args, "vision", None)  # a tower: per patch (models/common/vision/flops.py)
+    if vision is not None:
+        flops += tower_flops_per_token(vision, t.image_tokens_per_sample, t.seq_len)
     lora = lora_shares(cfg, args)
     if lora is None:
         return int(flops)

@@ -54,7 +54,9 @@ def _validate_mixture(cfg: JobConfig, tokenizer: AnyTokenizer) -> None:
             )
         if not src.path and not src.dataset:
             raise ConfigError(where, None, "names no data", "set path (or dataset) in the table")
-        if is_token_corpus(src.path):
+        if src.dataset == "vlm":  # image-text files: validate_samples.py: validate_vlm
+            pass
+        elif is_token_corpus(src.path):
             if src.dataset:
                 raise ConfigError(
                     f"{where}.dataset",

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchtitan.checkpoint.manager import COMPONENTS
 from torchtitan.checkpoint.storage import complete_steps
 from torchtitan.config.errors import ConfigError, require_int
 from torchtitan.config.job_config import JobConfig
+from torchtitan.config.sections import CHECKPOINT_PARTS, OPTIONAL_CHECKPOINT_PARTS
 from torchtitan.distributed.activation_checkpoint import parse_selective_option
 from torchtitan.distributed.float8 import float8_unsupported_reason
 from torchtitan.distributed.pipeline_stages import SCHEDULES, normalize_schedule_name
@@ -166,13 +166,13 @@ def validate_checkpoint(cfg: JobConfig, world_size: int) -> None:
             "must name a sub-folder of job.dump_folder (old checkpoints in it are deleted)",
             "use e.g. checkpoint",
         )
-    unknown = sorted(set(ck.exclude_from_loading) - COMPONENTS)
+    unknown = sorted(set(ck.exclude_from_loading) - CHECKPOINT_PARTS - OPTIONAL_CHECKPOINT_PARTS)
     if unknown:
         raise ConfigError(
             "checkpoint.exclude_from_loading",
             ck.exclude_from_loading,
             f"{unknown} are not parts of a checkpoint",
-            f"use some of {sorted(COMPONENTS)}",
+            f"use some of {sorted(CHECKPOINT_PARTS | OPTIONAL_CHECKPOINT_PARTS)}",
         )
     if ck.initial_load_path and not Path(ck.initial_load_path).is_dir():
         raise ConfigError(
@@ -294,13 +294,13 @@ def validate_attention(cfg: JobConfig, cp: int) -> None:
             "FlexAttention needs CUDA here: torch 2.13 has no FlexAttention backward on CPU",
             "use auto or sdpa (the exact dense-mask path)",
         )
-    if m.attn_backend == "flex" and cp > 1:
+    if m.attn_backend == "flex" and cp > 1 and cfg.parallelism.context_parallel_method == "ring":
         raise ConfigError(
             "model.attn_backend",
             "flex",
-            "context parallel's all-gather attention masks with SDPA (the model's mask at "
-            "global positions), so a block mask would be built and never used",
-            "use auto (sdpa under context parallel) or sdpa",
+            "FlexAttention under context parallel is built for the allgather method only (the "
+            "ring's steps attend with SDPA)",
+            "use --parallelism.context_parallel_method allgather, or model.attn_backend sdpa",
         )
     if cfg.parallelism.context_parallel_load_balancer == "document" and not block:
         raise ConfigError(

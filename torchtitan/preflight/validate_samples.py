@@ -4,9 +4,10 @@
   well-formed conversation (the error names the file and line), and the file tokenized as the
   dataset will tokenize it leaves a conversation to train on (with ``sft.overlong = "error"``:
   none is longer than the sequence);
-- ``vlm`` (image-text samples, docs/vlm.md): it trains a model with a vision tower
-  (``qwen3_5_vl``), from an existing parquet file, tar shard or folder of them, and is not a
-  validation dataset yet."""
+- ``vlm`` (image-text samples, docs/vlm.md), alone or as ``[[training.mixture]]`` sources with
+  ``dataset = "vlm"``: it trains a model with a vision tower (``qwen3_5_vl``), from an existing
+  parquet file, tar shard or folder of them, and is not a validation dataset yet;
+  ``training.image_tokens_per_sample`` is within the row and only set for such a model."""
 
 from __future__ import annotations
 
@@ -111,30 +112,51 @@ def validate_vlm(cfg: JobConfig) -> None:
             "image-text validation is not implemented yet",
             "validate on a text dataset or disable validation (docs/vlm.md)",
         )
-    if t.dataset != "vlm":
+    _validate_image_tokens(cfg)
+    mixed = [i for i, s in enumerate(t.mixture) if s.dataset == "vlm"]
+    if t.dataset != "vlm" and not (t.dataset == "mixture" and mixed):
         return
     if importlib.util.find_spec("PIL") is None:
         raise ConfigError(
             "training.dataset",
-            "vlm",
+            t.dataset,
             "image-text samples are decoded with Pillow, which this environment does not have",
             "pip install 'pillow>=10' (the project's vlm extra)",
         )
     if cfg.model.name not in VLM_MODELS:
         raise ConfigError(
             "training.dataset",
-            "vlm",
+            t.dataset,
             f"image-text data needs a model with a vision tower (one of {list(VLM_MODELS)}), "
             f"not {cfg.model.name!r}",
             "set --model.name qwen3_5_vl (docs/vlm.md)",
         )
-    path = t.dataset_path
-    try:
-        source_files(Path(path or ""))
-    except ValueError as e:
+    paths = [("training.dataset_path", t.dataset_path)] if t.dataset == "vlm" else []
+    paths += [(f"training.mixture[{i}].path", t.mixture[i].path) for i in mixed]
+    for field, path in paths:
+        try:
+            source_files(Path(path or ""))
+        except ValueError as e:
+            raise ConfigError(
+                field,
+                path,
+                str(e),
+                "point it at .parquet files or WebDataset .tar shards (scripts/make_vlm_data.py)",
+            ) from None
+
+
+def _validate_image_tokens(cfg: JobConfig) -> None:
+    """``training.image_tokens_per_sample``: from 0 to ``seq_len``, and only for a model with a
+    vision tower (it adds the tower's FLOPs to MFU: models/common/vision/flops.py)."""
+    n, t = cfg.training.image_tokens_per_sample, cfg.training
+    field = "training.image_tokens_per_sample"
+    if not 0 <= n <= t.seq_len:
         raise ConfigError(
-            "training.dataset_path",
-            path,
-            str(e),
-            "point it at .parquet files or WebDataset .tar shards (scripts/make_vlm_data.py)",
-        ) from None
+            field, n, f"must be from 0 to training.seq_len = {t.seq_len} (tokens of a sample)",
+            "give the data's mean merged image tokens per sample, or 0",
+        )  # fmt: skip
+    if n and cfg.model.name not in VLM_MODELS:
+        raise ConfigError(
+            field, n, f"counts a vision tower's FLOPs, and {cfg.model.name!r} has none",
+            "remove it, or train a model with a tower (--model.name qwen3_5_vl)",
+        )  # fmt: skip

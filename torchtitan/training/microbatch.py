@@ -23,7 +23,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline
 from torchtitan.loss.cross_entropy import unmasked_tokens
 from torchtitan.models.common.attention import document_positions
-from torchtitan.models.spec import batch_inputs
+from torchtitan.models.spec import batch_inputs, image_inputs
 
 ModelInputs = dict[str, torch.Tensor]
 """Keyword inputs of the model's forward beyond the tokens (``doc_ids``, ``positions``)."""
@@ -74,6 +74,15 @@ class MicrobatchRunner:
         for part in self.model_parts:
             extra.update(batch_inputs(part, inputs))
         return extra
+
+    def image_inputs(
+        self, inputs: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor
+    ) -> ModelInputs:
+        """An image batch's keyword inputs as the model wants them (``spec.image_inputs``),
+        from whole sequences (every part of a model gives the same); under PP each one must
+        split along the batch into the schedule's microbatches."""
+        pipelined = self.pipeline is not None
+        return image_inputs(self.model_parts[0], inputs, pixel_values, grid_thw, pipelined)
 
     def train_context(self) -> contextlib.ExitStack:
         """Contexts around forward, loss and backward: autocast where no FSDP/DDP policy casts

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from torchtitan.config.sections import POSTTRAIN_PART
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.metrics.processor import MetricsProcessor
@@ -122,7 +123,7 @@ class PosttrainTrainer(Trainer):
         self.posttrain_state = PosttrainState(self.model_parts, self.rank)
         self.posttrain_state.wants_reference = self._reference_kind() is True
         self.posttrain_state.wants_generator = self.cfg.training.mode == "grpo"
-        return {"posttrain": self.posttrain_state}
+        return {POSTTRAIN_PART: self.posttrain_state}
 
     def _build_step(self) -> None:
         cfg, parts = self.cfg, self.model_parts

@@ -68,10 +68,15 @@ class TrainStep:
         self.metrics.add_data_time(time.perf_counter() - start)
         device = self.runner.device
         if isinstance(batch, dict):  # image-text samples (data/vlm_dataset.py; docs/vlm.md)
-            b = {k: t.to(device, non_blocking=True) for k, t in batch.items()}
-            extra = self.runner.model_inputs(b["inputs"], None)
-            extra.update(pixel_values=b["pixel_values"], grid_thw=b["grid_thw"])
-            return b["inputs"], b["labels"], extra
+            # the model's image inputs from the whole batch, on the host (positions walk the
+            # tokens), before pipeline microbatches and context parallel split them
+            images = self.runner.image_inputs(
+                batch["inputs"], batch["pixel_values"], batch["grid_thw"]
+            )
+            inputs, labels = (batch[k].to(device, non_blocking=True) for k in ("inputs", "labels"))
+            extra = self.runner.model_inputs(inputs, None)
+            extra.update({k: t.to(device, non_blocking=True) for k, t in images.items()})
+            return inputs, labels, extra
         inputs, labels, *rest = (t.to(device, non_blocking=True) for t in batch)
         return inputs, labels, self.runner.model_inputs(inputs, rest[0] if rest else None)
 

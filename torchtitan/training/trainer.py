@@ -23,7 +23,7 @@ from torchtitan.checkpoint.safety import resume_settings
 from torchtitan.config.job_config import JobConfig
 from torchtitan.config.manager import to_toml
 from torchtitan.data.dataloader import ParallelAwareDataloader
-from torchtitan.data.rank_loader import rank_dataloader
+from torchtitan.data.rank_loader import rank_dataloader, uses_images
 from torchtitan.data.tokenizer import build_tokenizer
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.context_parallel import ContextParallel
@@ -32,6 +32,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import Pipeline, build_pipeline
 from torchtitan.eval.harness import training_evaluator
 from torchtitan.eval.validation_loss import build_validator
+from torchtitan.fault_tolerance.outer_state import checkpoint_parts
 from torchtitan.fault_tolerance.replica import ReplicaGroup, data_shard
 from torchtitan.guards.nonfinite import NonFiniteGuard
 from torchtitan.guards.spikes import StepGuard
@@ -139,7 +140,8 @@ class Trainer:
         """A loader of ``dataset`` sharded by this rank's data-parallel coordinate only (and,
         for training under fault tolerance, by its replica group: docs/fault_tolerance.md)."""
         cfg, dp = self.cfg, self.parallel_dims.get_mesh("dp")
-        vlm = dataset == "vlm"  # the vision settings come from the model's flavor
+        # image-text data reads the vision sizes and token ids of the args the run builds
+        images = uses_images(cfg.training, dataset)
         return rank_dataloader(
             cfg.training,
             cfg.sft,
@@ -151,7 +153,7 @@ class Trainer:
             infinite=infinite,
             seed=cfg.debug.seed,
             with_doc_ids=cfg.model.attn_mask_type == "block_causal",
-            model_args=MODELS[cfg.model.name].flavors[cfg.model.flavor] if vlm else None,
+            model_args=run_args(cfg, self.tokenizer.vocab_size) if images else None,
             shard=data_shard(cfg.fault_tolerance, dp.get_local_rank(), dp.size())
             if split == "train"
             else None,
@@ -162,7 +164,10 @@ class Trainer:
         self.spec = MODELS[cfg.model.name]
         backend = resolve_attn_backend(cfg.model.attn_backend, self.device.type, dims.cp_enabled)
         # the flavor, an HF folder's RoPE/window settings, model.moe_* and model.mtp_*
-        self.model_args = run_args(cfg, self.tokenizer.vocab_size, backend)
+        # Under CP the all-gather core runs the kernel over the gathered keys (apply_cp gets
+        # the backend): the model builds no BlockMask of its local tokens.
+        model_backend = "sdpa" if dims.cp_enabled else backend
+        self.model_args = run_args(cfg, self.tokenizer.vocab_size, model_backend)
         model = build_meta_model(cfg, self.spec, self.model_args, dims, self.device)
         loss_fn = build_loss_fn(cfg.compile, cfg.job.dump_folder, dims)
         self.param_dtype = dist_utils.resolve_dtype(
@@ -248,6 +253,7 @@ class Trainer:
             rotate_method=p.context_parallel_rotate_method,
             rope_buffer=plan.rope_buffer if plan else None,
             balancer=p.context_parallel_load_balancer,
+            whole_inputs=plan.whole_inputs if plan else (),
         )
 
     def _build_optimizer(self) -> None:
@@ -382,8 +388,9 @@ class Trainer:
 
     def _checkpoint_extra(self) -> dict[str, Any]:
         """Checkpointed parts beyond the manager's own, by name (a training mode's state:
-        torchtitan/training/posttrain.py); none here."""
-        return {}
+        torchtitan/training/posttrain.py): here DiLoCo's outer state under fault tolerance,
+        else none (torchtitan/fault_tolerance/outer_state.py)."""
+        return checkpoint_parts(self.cfg.fault_tolerance, self.model_parts)
 
     def _load_initial_only(self) -> None:
         """checkpoint.initial_load_path with checkpointing off: the weights (the model was

@@ -41,6 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
+from torchtitan.distributed.context_parallel.flex import FLEX_BLOCK, flex_document_attention
 from torchtitan.distributed.context_parallel.layout import (
     DocumentMask,
     document_pairs,
@@ -101,9 +102,19 @@ class AllGatherKVAttention(nn.Module):
     Takes ``q, k, v`` as ``[B, H, L, Dh]`` with ``L = S / cp`` (this rank's two chunks); K and V
     arrive with grouped-query heads already repeated ``n_rep`` times by the model, so only every
     ``n_rep``-th head is gathered (n_rep times less traffic) and the repeat is done after.
+    Block-causal masks run ``document_attention`` (SDPA over query blocks, any device) or, with
+    ``backend = "flex"``, FlexAttention over a ``BlockMask`` built here from the same
+    (document, position) pairs (``flex.py``; the kernel takes the unrepeated K/V heads).
     """
 
-    def __init__(self, cp_mesh: DeviceMesh, n_rep: int, query_block: int = QUERY_BLOCK) -> None:
+    def __init__(
+        self,
+        cp_mesh: DeviceMesh,
+        n_rep: int,
+        query_block: int = QUERY_BLOCK,
+        backend: str = "sdpa",
+        flex_block: int = FLEX_BLOCK,
+    ) -> None:
         super().__init__()
         self.cp_mesh = cp_mesh
         self.cp = cp_mesh.size()
@@ -111,9 +122,11 @@ class AllGatherKVAttention(nn.Module):
         self.n_rep = n_rep
         self.order = chunk_order(self.cp)
         self.query_block = query_block
+        self.backend = backend  # block_causal: "sdpa" (query blocks) or "flex" (a BlockMask)
+        self.flex_block = flex_block
 
     def extra_repr(self) -> str:
-        return f"cp={self.cp}, rank={self.rank}, n_rep={self.n_rep}"
+        return f"cp={self.cp}, rank={self.rank}, n_rep={self.n_rep}, backend={self.backend}"
 
     def _gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (``[L, ...]``, this rank's two chunks, sequence first) -> the whole sequence
@@ -133,6 +146,8 @@ class AllGatherKVAttention(nn.Module):
         # Rank order [r0 head, r0 tail, r1 head, ...] -> global chunk order 0..2cp-1.
         full = self._gather_sequence(kv).movedim(0, 3)  # [2, B, Hkv, S, Dh]
         k_all, v_all = full[0], full[1]
+        if mask is not None and self.backend == "flex":  # grouped-query heads stay unrepeated
+            return flex_document_attention(q, k_all, v_all, self._pairs(q, mask), self.flex_block)
         if n_rep > 1:
             k_all = k_all.repeat_interleave(n_rep, dim=1)
             v_all = v_all.repeat_interleave(n_rep, dim=1)
@@ -160,6 +175,13 @@ class AllGatherKVAttention(nn.Module):
         each query attends to the keys of its document at or before it. Queries go in blocks
         of ``query_block``; a block computes only the key columns one of its queries may see
         (skipping the other documents' keys), recomputed in backward like ``_masked_chunk``."""
+        return document_attention(q, k_all, v_all, self._pairs(q, mask), self.query_block)
+
+    def _pairs(
+        self, q: torch.Tensor, mask: DocumentMask
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q_pos, q_doc, k_pos, k_doc)``: the (position, document) of this rank's queries
+        and of every key (gathered like K/V), ``[B, L]`` and ``[B, S]``."""
         batch, local = q.shape[0], q.shape[2]
         pos = mask.positions
         if pos is None:  # the forward got no positions: the head-tail layout's
@@ -168,7 +190,7 @@ class AllGatherKVAttention(nn.Module):
         q_doc = mask.doc_ids
         k_pos = self._gather_sequence(q_pos.t().contiguous()).t()  # [B, S], as K/V
         k_doc = self._gather_sequence(q_doc.t().contiguous()).t()
-        return document_attention(q, k_all, v_all, (q_pos, q_doc, k_pos, k_doc), self.query_block)
+        return q_pos, q_doc, k_pos, k_doc
 
 
 def document_attention(
@@ -238,10 +260,10 @@ def _positions_hook(cp: int, rank: int):  # type: ignore[no-untyped-def]
     return hook
 
 
-def _core(method: str, cp_mesh: DeviceMesh, n_rep: int) -> nn.Module:
+def _core(method: str, cp_mesh: DeviceMesh, n_rep: int, attn_backend: str) -> nn.Module:
     if method == "ring":  # block_causal: our document ring (torch's ring has no such mask)
         return RingDocumentAttention(cp_mesh, n_rep)
-    return AllGatherKVAttention(cp_mesh, n_rep)
+    return AllGatherKVAttention(cp_mesh, n_rep, backend=attn_backend)
 
 
 def _submodule_or_none(block: nn.Module, path: str) -> nn.Module | None:
@@ -262,6 +284,7 @@ def apply_cp(
     n_rep: int,
     method: str,
     document_mask: bool = False,
+    attn_backend: str = "sdpa",
 ) -> None:
     """Make ``model`` (a whole model or a pipeline stage of one) context parallel.
 
@@ -273,7 +296,9 @@ def apply_cp(
     ``enable_context_parallel(cp_mesh)`` is told (the MoE layer's sequence-wise auxiliary loss
     sums its expert load over ``cp``, docs/moe.md; a linear-attention layer passes its state
     between ranks, ``linear.py``). Blocks without the attention core (a hybrid model's
-    linear-attention blocks) keep their modules.
+    linear-attention blocks) keep their modules. ``attn_backend`` (``sdpa`` or ``flex``) is
+    the all-gather core's block-causal kernel (``flex.py``; configuration refuses flex with
+    ``ring``).
     """
     for module in model.modules():
         enable = getattr(module, "enable_context_parallel", None)
@@ -287,7 +312,7 @@ def apply_cp(
         parent = _submodule_or_none(block, parent_path)
         if parent is None:  # a hybrid model's block without attention (linear attention)
             continue
-        setattr(parent, name, _core(method, cp_mesh, n_rep))
+        setattr(parent, name, _core(method, cp_mesh, n_rep, attn_backend))
     model.register_forward_pre_hook(_positions_hook(cp, rank), with_kwargs=True)
 
 
@@ -304,8 +329,10 @@ class ContextParallel:
         rotate_method: str = "allgather",
         rope_buffer: str | None = None,
         balancer: str = "headtail",
+        whole_inputs: tuple[str, ...] = (),
     ) -> None:
         self.mesh = cp_mesh
+        self.whole_inputs = frozenset(whole_inputs)
         self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
         self.method = method
         self.balancer = balancer
@@ -320,9 +347,19 @@ class ContextParallel:
         self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any]
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """This rank's tokens of every ``[B, S]`` tensor, all taken at the same positions (so
-        loss, labels, RoPE positions and document ids stay together). The ``document``
+        loss, labels, RoPE positions and document ids stay together); the ``whole_inputs``
+        (the model plan's, e.g. images) pass unsharded. The ``document``
         balancer's positions differ per sample; the model then gets their global positions as
         ``positions`` (unless per-document ones are there already)."""
+        whole = {k: t for k, t in extra.items() if k in self.whole_inputs}
+        inputs, labels, sharded = self._shard(
+            inputs, labels, {k: t for k, t in extra.items() if k not in self.whole_inputs}
+        )
+        return inputs, labels, {**sharded, **whole}
+
+    def _shard(
+        self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         if self.balancer == "headtail":
             return (
                 shard_sequence(inputs, self.cp, self.rank),

@@ -9,7 +9,9 @@ feeds every kernel:
 * ``sdpa`` (any device, the exact CPU path with backward): :func:`dense_mask` evaluates the same
   function on broadcast index tensors, giving a boolean ``[B, 1, Lq, Lk]`` mask for SDPA.
 * context parallel's all-gather core evaluates it at global query positions over the gathered
-  document ids (``AttentionMask.dense``), so it masks by position and document.
+  document ids (``AttentionMask.dense``), so it masks by position and document; with ``flex``
+  it builds its own ``BlockMask`` of the local queries over the gathered keys per forward
+  (``distributed/context_parallel/flex.py``), and the model's mask carries only the ids.
 
 Document ids count the documents of a packed window: ``doc_ids[b, i]`` is the number of EOS
 tokens among ``inputs[b, :i]`` (the data loader makes them, ``data/dataloader.py``).
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.distributed.context_parallel.flex import compiled_flex_attention
 from torchtitan.distributed.context_parallel.layout import positions_in_documents
 
 __all__ = [
@@ -136,24 +139,18 @@ def build_attention_mask(
 
 
 def resolve_attn_backend(backend: str, device_type: str, cp_enabled: bool) -> str:
-    """``auto`` -> ``flex`` on CUDA without context parallel, else ``sdpa`` (the only backend
-    context parallel's all-gather core and CPU training support)."""
+    """``auto`` -> ``flex`` on CUDA without context parallel, else ``sdpa`` (CPU training has
+    no flex backward; under context parallel flex is opt-in: ``flex`` itself, which the
+    all-gather core runs over the gathered keys, not yet run on a GPU here)."""
     if backend != "auto":
         return backend
     return "flex" if device_type == "cuda" and not cp_enabled else "sdpa"
 
 
-_compiled_flex: Callable[..., Any] | None = None
-
-
 def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> Any:
-    """FlexAttention, compiled once per process (eager flex materializes the scores)."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex(q, k, v, block_mask=block_mask)
+    """FlexAttention, compiled once per process (eager flex materializes the scores); the one
+    compiled instance context parallel's core uses too."""
+    return compiled_flex_attention(q, k, v, block_mask=block_mask)
 
 
 class AttentionCore(nn.Module):

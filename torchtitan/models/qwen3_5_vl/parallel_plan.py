@@ -9,12 +9,19 @@ images of its own samples.
   ``tp`` computed with their local values (``ReplicateWeights``), so every TP rank computes the
   same tower gradients and the same updates, with no collective. The token embedding returns
   whole rows (vocabulary-sharded lookup, all-reduced rather than reduce-scattered), the image
-  tokens are scattered into them, and the scatter's output is cut onto the sequence shard the
-  first block expects (``Shard(1)``).
+  tokens are scattered into them (``model.scatter``), and the scatter's output is cut onto the
+  sequence shard the first block expects (``Shard(1)``).
 * FSDP: each tower block is its own unit, then the tower's remaining parameters (patch
   embedding, position table, merger); activation checkpointing and compile wrap each tower
   block as they do the decoder's (``extra_blocks``).
-* Pipeline and context parallel are refused (one line at config validation).
+* Pipeline parallel: the tower and the scatter travel with the token embedding (the first
+  stage's ``tok_embeddings`` unit); the image inputs come per sample (``images.py``) so the
+  schedule's microbatches split them with their samples, and ``mrope_positions`` reaches every
+  stage as a keyword input.
+* Context parallel: Qwen3.5's (DeltaNet and attention on the rank's share of the sequence);
+  every cp rank runs the tower on the whole batch's images (``pixel_values`` and ``grid_thw``
+  are whole inputs, not sharded along the sequence), and each placeholder of its share takes
+  its token by ``visual_index``.
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleOutput, RowwiseParallel
 
 from torchtitan.distributed.model_plan import ModelParallelPlan
+from torchtitan.distributed.pipeline_stages import PipelineUnit
 from torchtitan.distributed.replicate_parallel import ReplicateWeights
 from torchtitan.models.qwen3_5.parallel_plan import qwen35_parallel_plan
 from torchtitan.models.qwen3_5_vl.args import Qwen35VLArgs
 
-_LATER = "not implemented yet for qwen3_5_vl (docs/vlm.md); use data or tensor parallel"
+WHOLE_INPUTS = ("pixel_values", "grid_thw")
+"""Per-sample keyword inputs every cp rank receives whole (images are not along the sequence)."""
 
 
 def vision_root_plan() -> dict[str, ParallelStyle]:
@@ -46,18 +55,21 @@ def vision_root_plan() -> dict[str, ParallelStyle]:
 
 def qwen35_vl_parallel_plan(args: Qwen35VLArgs) -> ModelParallelPlan:
     plan = qwen35_parallel_plan(args)
-    refusals = {
-        "pipeline_parallel": f"pipeline parallel is {_LATER}",
-        "context_parallel": f"context parallel is {_LATER}",
-    }
     tp = plan.tensor_parallel
     tp = dataclasses.replace(tp, root={**tp.root, **vision_root_plan()})
     blocks = tuple(f"visual.blocks.{i}" for i in range(args.vision.depth))
+    first, *rest = plan.pipeline_units
+    assert first.modules == ("tok_embeddings",), first
+    units = (PipelineUnit(first.name, ("tok_embeddings", "visual", "scatter")), *rest)
+    cp = plan.context_parallel
+    if cp is not None:
+        cp = dataclasses.replace(cp, whole_inputs=WHOLE_INPUTS)
     return dataclasses.replace(
         plan,
         tensor_parallel=tp,
         document_mask=False,
-        refusals=refusals,
         fsdp_units=(*blocks, "visual"),
         extra_blocks=("visual.blocks",),
+        pipeline_units=units,
+        context_parallel=cp,
     )
