@@ -147,6 +147,34 @@ def test_data_parallel_layouts_equal_one_process_on_image_batches(
     _assert_equal_runs(one_process("debugmodel", dp), got, label)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("degrees", "label"),
+    [
+        ({"pipeline_parallel_degree": 2}, "TP 2 x PP 2"),
+        ({"context_parallel_degree": 2}, "TP 2 x CP 2"),
+    ],
+    ids=["tp2_pp2", "tp2_cp2"],
+)
+def test_tp_with_pipeline_or_context_parallel_equals_one_process(
+    degrees: dict[str, int],
+    label: str,
+    data: Path,
+    tmp_path: Path,
+    one_process: Callable[[str, int], Run],
+) -> None:
+    """TP 2 composed with PP 2 (1F1B, two microbatches of one sample; the tower and the scatter
+    on the first stage) or CP 2 (every cp rank encodes the batch's images), two samples a
+    step."""
+    argv = ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]
+    for name, degree in degrees.items():
+        argv += [f"--parallelism.{name}", str(degree)]
+    if "pipeline_parallel_degree" in degrees:
+        argv += ["--parallelism.pipeline_parallel_schedule", "1F1B"]
+    got = _run(data, tmp_path, 4, argv)
+    _assert_equal_runs(one_process("debugmodel", 2), got, label)
+
+
 def _tiny_trained(mode: str, compiled: bool) -> tuple[list[float], torch.nn.Module]:
     """A tiny ``qwen3_5_vl`` through ``distributed/parallelize.py`` (one process) with AC
     ``mode`` and compile, then 4 AdamW steps: three images, text only, three images, one image
