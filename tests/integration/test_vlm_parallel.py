@@ -1,5 +1,5 @@
-"""Qwen3.5 with vision under tensor parallel, FSDP x TP, HSDP and DDP (docs/vlm.md,
-"Parallelism"): each layout trains 10 steps on image batches through the trainer and equals one
+"""Qwen3.5 with vision under tensor parallel (alone, with FSDP, PP or CP), HSDP and DDP
+(docs/vlm.md, "Parallelism"): each layout trains 10 steps on image batches through the trainer and equals one
 process (losses within 1e-5 relative; the final weights and the reported gradient norms within
 measured bounds, ``_assert_equal_runs``); under TP 2 the tower's gradients are equal on both
 ranks; activation checkpointing and compile wrap the tower's blocks too, float8 leaves them.
