@@ -125,6 +125,24 @@ def tiny_qwen3_5_vl(**extra: Any) -> Any:
     return Qwen35VLArgs(**fields, vision=tower, image_token_id=250, mrope_section=(2, 1, 1))
 
 
+def tiny_kimi_k25(**extra: Any) -> Any:
+    """:func:`tiny_deepseek_v3` (no MTP) fed by a 2-block, 32-wide MoonViT over 4-pixel patches
+    (a 4 x 4 position table), the placeholder id 250, an untied head."""
+    import dataclasses
+
+    from torchtitan.models.common.vision.moonvit import MoonViTArgs
+    from torchtitan.models.kimi_k25 import KimiK25Args
+
+    image_token_id = extra.pop("image_token_id", 250)
+    text = tiny_deepseek_v3(**{"tie_word_embeddings": False, **extra})
+    tower = MoonViTArgs(
+        depth=2, dim=32, n_heads=2, intermediate_size=48, out_dim=text.dim, patch_size=4,
+        pos_emb_height=4, pos_emb_width=4,
+    )  # fmt: skip
+    fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(text)}
+    return KimiK25Args(**fields, vision=tower, image_token_id=image_token_id)
+
+
 def tiny_hf_cases() -> dict[str, tuple[str, Any]]:
     """One tiny flavor per Hugging Face layout of every family in ``MODELS``: case id ->
     (family name, args). GQA, RoPE scaling, QK-norms, tied and untied heads, dense and MoE
@@ -160,4 +178,5 @@ def tiny_hf_cases() -> dict[str, tuple[str, Any]]:
             ),
         ),
         "qwen3_5_vl": ("qwen3_5_vl", tiny_qwen3_5_vl()),
+        "kimi_k25": ("kimi_k25", tiny_kimi_k25()),
     }

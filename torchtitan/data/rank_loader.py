@@ -17,7 +17,7 @@ from torchtitan.data.chat_template import resolve_chat_template
 from torchtitan.data.dataloader import ParallelAwareDataloader
 from torchtitan.data.tokenizer import AnyTokenizer
 from torchtitan.data.vlm_dataset import VLMDataset, collate, image_tokens, source_files
-from torchtitan.data.vlm_images import ImageRules
+from torchtitan.data.vlm_images import ImageRules, NavitRules
 from torchtitan.data.vlm_mixture import ImageTextSource, RawIndex, VLMMixtureDataset
 
 
@@ -99,8 +99,12 @@ def uses_images(training: Training, dataset: str) -> bool:
     return dataset == "vlm" or mixed
 
 
-def image_rules(model_args: Any) -> ImageRules:
+def image_rules(model_args: Any) -> ImageRules | NavitRules:
+    """How the run's tower wants its images: Qwen-VL's rules, or MoonViT's (Kimi K2.5,
+    ``vlm_images.py: NavitRules``) when the tower says so."""
     v = model_args.vision
+    if getattr(v, "processor", "qwen") == "navit":
+        return NavitRules(v.patch_size, v.spatial_merge_size)
     return ImageRules(v.patch_size, v.spatial_merge_size, v.temporal_patch_size)
 
 

@@ -44,7 +44,7 @@ from torchtitan.data.chat_template import (
     validate_conversation,
 )
 from torchtitan.data.tokenizer import TextTokenizer
-from torchtitan.data.vlm_images import BadImage, ImageRules, decode, patchify
+from torchtitan.data.vlm_images import BadImage, ImageRules, NavitRules
 from torchtitan.loss.chunked import IGNORE_INDEX
 from torchtitan.tools.logging import logger
 
@@ -239,10 +239,15 @@ def markers(messages: Sequence[Message]) -> int:
     return sum(m["content"].count(MARKER) for m in messages)
 
 
+Rules = ImageRules | NavitRules
+"""How a tower's images become patches: Qwen-VL's (``vlm_images.py``) or MoonViT's
+(``vlm_images.py: NavitRules``)."""
+
+
 def tokenize(
     raw: Raw,
     tokenizer: TextTokenizer,
-    rules: ImageRules,
+    rules: Rules,
     ids: ImageTokens,
     template: str | None = None,
 ) -> tuple[list[int], list[bool] | None, torch.Tensor, list[tuple[int, int, int]]]:
@@ -261,7 +266,7 @@ def tokenize(
     patches, runs = [], []
     grids: list[tuple[int, int, int]] = []
     for data in images:
-        px, grid = patchify(decode(data, rules), rules)
+        px, grid = rules.encode(data)
         patches.append(px)
         grids.append(grid)
         runs.append(_placeholders(grid, rules, ids))
@@ -278,7 +283,7 @@ def tokenize(
     return tokens, None, pixels, grids
 
 
-def _placeholders(grid: tuple[int, int, int], rules: ImageRules, ids: ImageTokens) -> list[int]:
+def _placeholders(grid: tuple[int, int, int], rules: Rules, ids: ImageTokens) -> list[int]:
     start = [ids.vision_start_id] if ids.vision_start_id is not None else []
     end = [ids.vision_end_id] if ids.vision_end_id is not None else []
     return start + [ids.image_token_id] * rules.tokens(grid) + end
@@ -294,7 +299,7 @@ class VLMDataset(IterableDataset):
         paths: Sequence[Path],
         tokenizer: TextTokenizer,
         seq_len: int,
-        rules: ImageRules,
+        rules: Rules,
         ids: ImageTokens,
         dp_rank: int = 0,
         dp_world: int = 1,

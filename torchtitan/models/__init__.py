@@ -16,6 +16,7 @@ from torchtitan.models.common.moe import moe_overrides
 from torchtitan.models.deepseek_v3 import deepseek_v3_spec
 from torchtitan.models.gpt_oss import gpt_oss_spec
 from torchtitan.models.hf import hf_spec
+from torchtitan.models.kimi_k25 import kimi_k25_spec
 from torchtitan.models.llama3 import llama3_spec
 from torchtitan.models.qwen3 import qwen3_spec
 from torchtitan.models.qwen3_5 import qwen3_5_spec
@@ -29,6 +30,7 @@ MODELS: dict[str, ModelSpec] = {
     "qwen3_5_vl": qwen3_5_vl_spec,  # Qwen3.5 with vision (docs/vlm.md)
     "gpt_oss": gpt_oss_spec,
     "deepseek_v3": deepseek_v3_spec,
+    "kimi_k25": kimi_k25_spec,  # DeepSeek-V3 decoder + MoonViT (docs/vlm.md)
     "hf": hf_spec,  # any transformers causal LM from a local folder (docs/hf_models.md)
 }
 

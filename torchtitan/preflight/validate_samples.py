@@ -5,9 +5,9 @@
   dataset will tokenize it leaves a conversation to train on (with ``sft.overlong = "error"``:
   none is longer than the sequence);
 - ``vlm`` (image-text samples, docs/vlm.md), alone or as ``[[training.mixture]]`` sources with
-  ``dataset = "vlm"``: it trains a model with a vision tower (``qwen3_5_vl``), from an existing
-  parquet file, tar shard or folder of them, and is not a validation dataset yet;
-  ``training.image_tokens_per_sample`` is within the row and only set for such a model."""
+  ``dataset = "vlm"``: it trains a model with a vision tower (``qwen3_5_vl``, ``kimi_k25``),
+  from an existing parquet file, tar shard or folder of them, and is not a validation dataset
+  yet; ``training.image_tokens_per_sample`` is within the row and only set for such a model."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def _validate_source(cfg: JobConfig, field: str, path: str | None) -> None:
         raise ConfigError(field, path, str(e), fix) from e
 
 
-VLM_MODELS = ("qwen3_5_vl",)
+VLM_MODELS = ("qwen3_5_vl", "kimi_k25")
 
 
 def validate_vlm(cfg: JobConfig) -> None:
@@ -129,7 +129,7 @@ def validate_vlm(cfg: JobConfig) -> None:
             t.dataset,
             f"image-text data needs a model with a vision tower (one of {list(VLM_MODELS)}), "
             f"not {cfg.model.name!r}",
-            "set --model.name qwen3_5_vl (docs/vlm.md)",
+            "set --model.name qwen3_5_vl or kimi_k25 (docs/vlm.md)",
         )
     paths = [("training.dataset_path", t.dataset_path)] if t.dataset == "vlm" else []
     paths += [(f"training.mixture[{i}].path", t.mixture[i].path) for i in mixed]

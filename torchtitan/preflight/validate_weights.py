@@ -121,6 +121,9 @@ def check_hf_model(
     if adapter is None:
         raise ConfigError(field, value, f"{family} has no Hugging Face format", _HF_FIX)
     found = safetensors_shapes(folder, field, value, _HF_FIX)
+    spelled = getattr(adapter, "as_exported", None)
+    if spelled is not None:  # a family that reads several spellings of its names (kimi_k25)
+        found = {spelled(name): shape for name, shape in found.items()}
     if fit and hasattr(adapter, "args_for_weights"):
         args = adapter.args_for_weights(list(found))
         adapter = MODELS[family].state_dict_adapter(args)
