@@ -261,15 +261,19 @@ def test_a_batch_without_images_runs_the_tower_on_nothing() -> None:
     assert grad is not None and not bool(grad.any())
 
 
-def test_plan_gives_the_tower_its_own_fsdp_units_and_refuses_tensor_parallel() -> None:
-    """The tower: its own FSDP units, on the first pipeline stage with the embedding; its
-    images whole on every cp rank; tensor parallel refused (docs/vlm.md, "Parallelism")."""
+def test_plan_gives_the_tower_its_own_units_and_places_it_for_every_layout() -> None:
+    """The tower: its own FSDP units and AC/compile blocks; replicated on the TP ranks with the
+    scatter's output placed (tests/integration/test_vlm_parallel.py); on the first pipeline
+    stage with the embedding and the scatter; its images whole on every cp rank; nothing
+    refused (docs/vlm.md, "Parallelism")."""
     args = MODELS["qwen3_5_vl"].flavors["debugmodel"]
     plan = MODELS["qwen3_5_vl"].parallel_plan(args)
     assert plan.fsdp_units == ("visual.blocks.0", "visual.blocks.1", "visual")
-    assert set(plan.refusals) == {"tensor_parallel"}
-    assert plan.pipeline_units[0].modules == ("tok_embeddings", "visual")
+    assert plan.extra_blocks == ("visual.blocks",)
+    assert not plan.refusals
+    assert plan.pipeline_units[0].modules == ("tok_embeddings", "visual", "scatter")
     assert plan.context_parallel is not None
     assert plan.context_parallel.whole_inputs == ("pixel_values", "grid_thw")
     model = MODELS["qwen3_5_vl"].build(args)
-    assert all(model.get_submodule(path) is not None for path in plan.fsdp_units)
+    paths = [*plan.fsdp_units, *plan.extra_blocks, "scatter", *plan.tensor_parallel.root]
+    assert all(model.get_submodule(path) is not None for path in paths)

@@ -112,9 +112,11 @@ def _wrap_block(block: nn.Module, op_level: bool) -> CheckpointWrapper:
     return checkpoint_wrapper(block, **kwargs)  # type: ignore[return-value]
 
 
-def apply_ac(layers: nn.ModuleDict, mode: str, selective_option: str = "op") -> list[str]:
+def apply_ac(
+    layers: nn.ModuleDict | nn.ModuleList, mode: str, selective_option: str = "op"
+) -> list[str]:
     """Wrap the blocks in ``layers`` (the model's ``nn.ModuleDict`` of blocks, keyed by block
-    id) in place.
+    id, or an ``nn.ModuleList``: keys ``"0"``, ``"1"``...) in place.
 
     ``mode``: ``none``, ``full`` or ``selective`` (then ``selective_option`` is ``op`` or an
     integer N as text). Returns the keys of the wrapped blocks.
@@ -125,13 +127,16 @@ def apply_ac(layers: nn.ModuleDict, mode: str, selective_option: str = "op") -> 
         raise ValueError(f"unknown activation checkpoint mode {mode!r}")
     option = parse_selective_option(selective_option) if mode == "selective" else None
     wrapped = []
-    for key in list(layers.keys()):
-        block = layers[key]
+    items: list[tuple[int | str, nn.Module]] = (
+        list(enumerate(layers)) if isinstance(layers, nn.ModuleList) else list(layers.items())
+    )
+    for index, block in items:
+        key = str(index)
         if isinstance(block, CheckpointWrapper):
             raise RuntimeError(f"block {key} is already activation-checkpointed")
         if isinstance(option, int) and (int(key) + 1) % option != 0:
             continue
-        layers[key] = _wrap_block(block, op_level=option == "op")
+        layers[index] = _wrap_block(block, op_level=option == "op")  # type: ignore[index]
         wrapped.append(key)
     what = mode if option is None else f"selective ({option})"
     logger.info(f"activation checkpointing {what}: {len(wrapped)}/{len(layers)} blocks")

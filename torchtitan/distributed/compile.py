@@ -109,13 +109,14 @@ def _may_break_graph(block: nn.Module) -> bool:
 
 
 def apply_compile(
-    layers: nn.ModuleDict,
+    layers: nn.ModuleDict | nn.ModuleList,
     *,
     backend: str = "inductor",
     fullgraph: bool = True,
     wait_on: nn.Module | None = None,
 ) -> int:
-    """Compile the forward of every block in ``layers`` in place; returns the count.
+    """Compile the forward of every block in ``layers`` (a dict or list of blocks) in place;
+    returns the count.
 
     Apply after activation checkpointing (the recompute is then compiled too) and before
     FSDP/DDP (their hooks stay outside the compiled forward). ``fullgraph`` holds for every
@@ -123,7 +124,7 @@ def apply_compile(
     embedding under tensor parallel, whose async output must be waited on before a compiled
     block (see ``_wait_embedding_hook``).
     """
-    for block in layers.values():
+    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         # An instance attribute shadows the class's forward; nn.Module.__call__ runs the
         # module's hooks (FSDP's unshard/reshard) around it, outside the compiled region.
         full = fullgraph and not _may_break_graph(block)

@@ -86,6 +86,11 @@ class ModelParallelPlan:
     """Paths of further modules that are each an FSDP unit, sharded in this order before the
     blocks (a vision tower's blocks, then the tower itself: docs/vlm.md)."""
 
+    extra_blocks: tuple[str, ...] = ()
+    """Paths of further containers of repeated blocks (``nn.ModuleList`` or ``nn.ModuleDict``: a
+    vision tower's blocks): activation checkpointing and torch.compile apply to each of their
+    blocks as to those of ``blocks`` (their FSDP units are named in ``fsdp_units``)."""
+
     refusals: Mapping[str, str] = field(default_factory=dict)
     """Parallelisms this model cannot take, by name (``tensor_parallel``, ``pipeline_parallel``,
     ``context_parallel``) -> why; config validation refuses them with that reason."""

@@ -7,8 +7,9 @@ Order and why (docs/architecture.md, section 5):
 3. Tensor parallel (with sequence and loss parallel): it rewrites parameters into DTensors on the
    ``tp`` axis, which FSDP then shards further on the data axes (2-D).
 4. Context parallel: swaps the attention core for one that gathers K/V over ``cp``.
-5. Activation checkpointing wraps whole blocks, so it must see the final block modules.
-6. torch.compile per block, after AC so the recomputation is compiled too, before FSDP so FSDP's
+5. Activation checkpointing wraps whole blocks (the plan's ``blocks`` and ``extra_blocks``), so
+   it must see the final block modules.
+6. torch.compile per block (the same blocks), after AC so the recomputation is compiled too, before FSDP so FSDP's
    hooks stay outside the compiled graph.
 7. FSDP/HSDP (or DDP) last: it shards whatever parameters the steps above produced.
 """
@@ -72,7 +73,10 @@ def parallelize(
             attn_backend="flex" if cfg.model.attn_backend == "flex" else "sdpa",
         )
     ac = cfg.activation_checkpoint
-    apply_ac(blocks, ac.mode, ac.selective_ac_option)
+    extra = [submodule_or_none(model, path) for path in plan.extra_blocks]
+    containers = [blocks, *(c for c in extra if isinstance(c, nn.ModuleList | nn.ModuleDict))]
+    for container in containers:
+        apply_ac(container, ac.mode, ac.selective_ac_option)
     if cfg.compile.enable and "model" in cfg.compile.components:
         embedding = submodule_or_none(model, plan.embedding) if plan.embedding else None
         apply_compile(
@@ -80,6 +84,8 @@ def parallelize(
             backend=cfg.compile.backend,
             wait_on=embedding if dims.tp_enabled else None,
         )
+        for container in containers[1:]:
+            apply_compile(container, backend=cfg.compile.backend)
     if dims.fsdp_enabled:
         reshard = reshard_policy(par.fsdp_reshard_after_forward, dims.pp_enabled)
         if experts and (dims.efsdp > 1 or dims.dp_replicate_enabled):
@@ -87,10 +93,10 @@ def parallelize(
             apply_expert_fsdp(model, experts, mesh, param_dtype, reduce_dtype, reshard)
             experts = []  # nested FSDP units now: the blocks' FSDP skips them
         # (a unit a pipeline stage does not hold is not there: the first stage's vision tower)
-        extra = [m for path in plan.fsdp_units if (m := submodule_or_none(model, path)) is not None]
+        units = [m for path in plan.fsdp_units if (m := submodule_or_none(model, path)) is not None]
         apply_fsdp(
             model,
-            extra + list(blocks.values()),
+            units + list(blocks.values()),
             dims.fsdp_mesh(),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,

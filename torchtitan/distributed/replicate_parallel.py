@@ -20,7 +20,28 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["ReplicateParallel"]
+__all__ = ["ReplicateParallel", "ReplicateWeights", "replicate_params"]
+
+
+def replicate_params(module: nn.Module, device_mesh: DeviceMesh) -> None:
+    """Every parameter of ``module`` that is not a DTensor yet becomes a replicated DTensor."""
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                replicated = distribute_tensor(p.data, device_mesh, [Replicate()])
+                sub.register_parameter(name, nn.Parameter(replicated, p.requires_grad))
+
+
+class ReplicateWeights(ParallelStyle):
+    """A module that runs whole on every TP rank on plain (not sequence-sharded) inputs and
+    computes with the local values of its weights (a vision tower, docs/vlm.md): its parameters
+    become replicated DTensors on ``tp`` (so every parameter of the model is a DTensor); its
+    inputs and outputs are left alone. Every TP rank must feed it the same inputs, so it
+    computes the same gradients (left replicated, not summed)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        replicate_params(module, device_mesh)
+        return module
 
 
 class ReplicateParallel(ParallelStyle):
@@ -29,11 +50,7 @@ class ReplicateParallel(ParallelStyle):
         self.sequence_dim = sequence_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for sub in module.modules():
-            for name, p in list(sub.named_parameters(recurse=False)):
-                if not isinstance(p, DTensor):
-                    replicated = distribute_tensor(p.data, device_mesh, [Replicate()])
-                    sub.register_parameter(name, nn.Parameter(replicated, p.requires_grad))
+        replicate_params(module, device_mesh)
         seq = self.sequence_dim
 
         def gather(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

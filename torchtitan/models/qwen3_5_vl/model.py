@@ -7,6 +7,7 @@ positions; for text all three are the token's index, so a text-only batch is pla
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from torchtitan.distributed.init_weights import ParamInit
 from torchtitan.models.common.attention import build_attention_mask
@@ -21,15 +22,39 @@ from torchtitan.models.qwen3_5_vl.images import per_sample_images, place_visual,
 VISUAL = "visual."
 
 
+class VisualScatter(nn.Module):
+    """The merged image tokens written over the placeholders' embeddings (``h`` unchanged
+    without images). A module, with no parameters, so the parallel plan can place its output:
+    under tensor parallel its whole rows are cut onto the sequence shard the first block
+    expects (``parallel_plan.py``)."""
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        placeholders: torch.Tensor,
+        visual: torch.Tensor | None,
+        visual_index: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if visual is None:
+            return h
+        if visual_index is None:  # the collated form: whole rows, images in order
+            return scatter_visual(h, placeholders, visual)
+        assert offsets is not None
+        return place_visual(h, placeholders, visual, visual_index, offsets)
+
+
 class Qwen35VLModel(Qwen35Transformer):
     """``forward(tokens, pixel_values=, grid_thw=)``: logits ``[B, S, vocab]``."""
 
     args: Qwen35VLArgs
     visual: VisionTower | None  # None on a pipeline stage after the first
+    scatter: VisualScatter | None
 
     def __init__(self, args: Qwen35VLArgs) -> None:
         super().__init__(args)
         self.visual = VisionTower(args.vision)
+        self.scatter = VisualScatter()
 
     def forward(
         self,
@@ -82,9 +107,11 @@ class Qwen35VLModel(Qwen35Transformer):
         grid_thw: torch.Tensor | None,
         visual_index: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Token embeddings with the tower's merged image tokens at the placeholders."""
+        """Token embeddings with the tower's merged image tokens at the placeholders (whole rows
+        until ``self.scatter``, which tensor parallel cuts onto the sequence shard)."""
         a = self.args
         assert self.tok_embeddings is not None and self.visual is not None
+        assert self.scatter is not None
         placeholders = tokens == a.image_token_id
         h = self.tok_embeddings(tokens)
         if pixel_values is None:
@@ -93,16 +120,17 @@ class Qwen35VLModel(Qwen35Transformer):
                     f"{int(placeholders.sum())} image placeholder tokens (id {a.image_token_id}) "
                     "but no pixel_values"
                 )
-            return h
+            return self.scatter(h, placeholders, None)
         if grid_thw is None:
             raise ValueError("pixel_values given without grid_thw")
         if visual_index is None:  # the collated form: whole rows, images in order
             if grid_thw.dim() != 2 or pixel_values.dim() != 2:
                 raise ValueError("per-sample pixel_values / grid_thw need visual_index")
-            return scatter_visual(h, placeholders, self.visual(pixel_values, grid_thw))
+            return self.scatter(h, placeholders, self.visual(pixel_values, grid_thw))
         merge = a.vision.spatial_merge_size
         pixels, grids, offsets = unpad_images(pixel_values, grid_thw, merge)
-        return place_visual(h, placeholders, self.visual(pixels, grids), visual_index, offsets)
+        visual = self.visual(pixels, grids)
+        return self.scatter(h, placeholders, visual, visual_index, offsets)
 
     def image_inputs(
         self,

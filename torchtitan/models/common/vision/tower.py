@@ -7,6 +7,12 @@ GELU MLP to the decoder's width).
 Module and parameter names follow the Hugging Face checkpoints of Qwen3-VL / Qwen3.5
 (``patch_embed.proj``, ``pos_embed``, ``blocks.<i>.attn.qkv`` ...), so the mapping of the tower's
 weights is the identity under a prefix.
+
+The modules compute with the local values of their weights (``local``): under tensor parallel the
+tower runs whole on every TP rank with its parameters replicated DTensors
+(``distributed/replicate_parallel.py: ReplicateWeights``); otherwise they are plain tensors. The
+attention within each frame runs eagerly (``frame_attention``; a graph break under compile), so
+a compiled block does not recompile for every new set of image sizes.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.init_weights import ParamInit
 from torchtitan.models.common.vision.args import VisionArgs
@@ -22,6 +29,22 @@ from torchtitan.models.common.vision.positions import (
     interpolated_positions,
     patch_rows_cols,
 )
+
+
+def local(p: torch.Tensor | None) -> torch.Tensor | None:
+    """A parameter's local values (a replicated DTensor's replica; its gradient stays this
+    rank's, every TP rank computing the same one from the same images)."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _linear(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if type(m) is not nn.Linear:  # a converted linear keeps its own forward
+        return m(x)
+    return F.linear(x, local(m.weight), local(m.bias))  # type: ignore[arg-type]
+
+
+def _layer_norm(m: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, m.normalized_shape, local(m.weight), local(m.bias), m.eps)
 
 
 def _act(name: str) -> nn.Module:
@@ -55,25 +78,42 @@ class PatchEmbed(nn.Module):
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         x = patches.view(-1, *self.shape).to(self.proj.weight.dtype)
-        return self.proj(x).flatten(1)
+        w, b = local(self.proj.weight), local(self.proj.bias)
+        return F.conv3d(x, w, b, stride=self.proj.stride).flatten(1)  # type: ignore[arg-type]
+
+
+@torch.compiler.disable
+def frame_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int] | torch.Tensor
+) -> torch.Tensor:
+    """Bidirectional attention of ``q, k, v`` ``[N, H, Dh]`` within each run of ``lengths``
+    rows (one frame of one image); ``[N, H, Dh]`` out. Eager under torch.compile: the number
+    and the sizes of the frames change from batch to batch."""
+    sizes = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
+    outs = []
+    for qs, ks, vs in zip(*(t.split(sizes) for t in (q, k, v)), strict=True):
+        o = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (qs, ks, vs)))
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs) if outs else v
 
 
 class VisionAttention(nn.Module):
+    compile_graph_breaks = True  # frame_attention runs eagerly (distributed/compile.py)
+
     def __init__(self, a: VisionArgs) -> None:
         super().__init__()
         self.n_heads, self.head_dim = a.n_heads, a.head_dim
         self.qkv = nn.Linear(a.dim, 3 * a.dim)
         self.proj = nn.Linear(a.dim, a.dim)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int] | torch.Tensor
+    ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.n_heads, self.head_dim).unbind(1)
+        q, k, v = _linear(self.qkv, x).view(n, 3, self.n_heads, self.head_dim).unbind(1)
         q, k = rotate_halves(q, angles), rotate_halves(k, angles)
-        outs = []
-        for qs, ks, vs in zip(*(t.split(lengths) for t in (q, k, v)), strict=True):
-            o = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (qs, ks, vs)))
-            outs.append(o.transpose(0, 1))
-        return self.proj((torch.cat(outs) if outs else v).reshape(n, self.n_heads * self.head_dim))
+        out = frame_attention(q, k, v, lengths)
+        return _linear(self.proj, out.reshape(n, self.n_heads * self.head_dim))
 
 
 class VisionMLP(nn.Module):
@@ -84,7 +124,7 @@ class VisionMLP(nn.Module):
         self.linear_fc2 = nn.Linear(a.intermediate_size, a.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+        return _linear(self.linear_fc2, self.act(_linear(self.linear_fc1, x)))
 
 
 class VisionBlock(nn.Module):
@@ -97,9 +137,11 @@ class VisionBlock(nn.Module):
         self.norm2 = nn.LayerNorm(a.dim, eps=a.norm_eps)
         self.mlp = VisionMLP(a)
 
-    def forward(self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        h = x + self.attn(self.norm1(x), angles, lengths)
-        return h + self.mlp(self.norm2(h))
+    def forward(
+        self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int] | torch.Tensor
+    ) -> torch.Tensor:
+        h = x + self.attn(_layer_norm(self.norm1, x), angles, lengths)
+        return h + self.mlp(_layer_norm(self.norm2, h))
 
 
 class PatchMerger(nn.Module):
@@ -115,13 +157,17 @@ class PatchMerger(nn.Module):
         self.linear_fc2 = nn.Linear(self.merged, a.out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x).view(-1, self.merged)
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+        x = _layer_norm(self.norm, x).view(-1, self.merged)
+        return _linear(self.linear_fc2, self.act(_linear(self.linear_fc1, x)))
 
 
 class VisionTower(nn.Module):
     """``forward(pixel_values [N, patch_dim], grid_thw [images, 3]) -> [N / m^2, out_dim]``,
     the merged tokens of all images in order."""
+
+    # Float8 leaves the tower's linears in high precision (distributed/float8.py): small, and
+    # computed on local weights under tensor parallel (``local``), which Float8Linear is not.
+    float8_exempt = True
 
     def __init__(self, a: VisionArgs) -> None:
         super().__init__()
@@ -135,10 +181,13 @@ class VisionTower(nn.Module):
         a = self.args
         m = a.spatial_merge_size
         x = self.patch_embed(pixel_values)
-        x = x + interpolated_positions(self.pos_embed.weight, grid_thw, m).to(x.dtype)
+        table = local(self.pos_embed.weight)
+        assert table is not None
+        x = x + interpolated_positions(table, grid_thw, m).to(x.dtype)
         rows, cols = patch_rows_cols(grid_thw, m)
         angles = rope_2d(rows.to(x.device), cols.to(x.device), a.head_dim, a.rope_theta)
-        lengths = frame_lengths(grid_thw)
+        # a CPU tensor, not a list: a compiled block then does not guard on every frame's size
+        lengths = torch.tensor(frame_lengths(grid_thw), dtype=torch.long)
         for block in self.blocks:
             x = block(x, angles, lengths)
         return self.merger(x)
