@@ -16,8 +16,10 @@
     lora      = adapters on a frozen base (``planner/lora_memory.py``): the base's backward skips
                 the weight-gradient matmuls, FSDP reduces and the optimizer steps the adapters
                 only; ``nf4_dequant``, QLoRA's dequantization per matmul
-    step      = compute + cp_attention_skew + bubble + tp + cp + exposed fsdp + pp_p2p
-                + all_to_all + moe_tp
+    vision_replicated = a vision tower's work repeated on every cp and tp rank; under PP the
+                tower weighs on the first stage's load (``planner/vision_cost.py``)
+    step      = compute + cp_attention_skew + vision_replicated + bubble + tp + cp
+                + exposed fsdp + pp_p2p + all_to_all + moe_tp
                 + nf4_dequant
 
 A collective moving ``S`` bytes over ``n`` ranks costs ``S * (n - 1) / n / bandwidth`` plus
@@ -44,6 +46,7 @@ from torchtitan.planner.moe_plan import (
     moe_op_recompute_fraction,
     moe_step_terms,
 )
+from torchtitan.planner.vision_cost import tower_stage_load, vision_replicated_s
 from torchtitan.preflight.validate import pipeline_stages
 
 __all__ = ["cp_attention_imbalance", "step_time"]
@@ -196,23 +199,30 @@ def step_time(
     # CP with packed documents: the slowest rank's attention sets the step (cp_attention_skew).
     attention = tokens_device * 12 * a.n_layers * a.n_heads * a.head_dim * seq / peak
     cp_skew = attention * (cp_attention_imbalance(cfg, hw, layout.cp) - 1.0)
-    work = compute + recompute + tp_gemm + cp_skew
+    # A vision tower: cp and tp ranks each encode every image (planner/vision_cost.py).
+    vision = vision_replicated_s(cfg, a, layout, tokens_device, peak)
+    work = compute + recompute + tp_gemm + cp_skew + vision
     fsdp = max(0.0, fsdp_total - hw.fsdp_overlap * work)
     bubble = 0.0
     pp_p2p = 0.0
+    tower_load = 0.0
     if layout.pp > 1:
         mb = layout.microbatches
         plan = pipeline_stages(layout.apply(cfg))
         assert plan is not None
         v = plan.stages_per_rank
         # The pipeline runs at the pace of its busiest rank; the head (output projection and
-        # loss, the last unit) costs about vocab * dim / block params blocks of work.
+        # loss, the last unit) costs about vocab * dim / block params blocks of work; a
+        # vision tower rides in the first unit (planner/vision_cost.py).
         head = a.vocab_size * a.dim / active_block_params(a, block_params(a))
         model_plan = MODELS[cfg.model.name].parallel_plan(a)
-        head_unit = model_plan.unit_names[-1]
+        first_unit, head_unit = model_plan.unit_names[0], model_plan.unit_names[-1]
+        tower_load = tower_stage_load(cfg, a, layout, block_flops_fwd_token)
+        unit_load = {first_unit: tower_load}
+        unit_load[head_unit] = head + (unit_load[first_unit] if head_unit == first_unit else 0)
         load = [
             sum(
-                1.0 if u.startswith(f"{model_plan.blocks}.") else (head if u == head_unit else 0.0)
+                1.0 if u.startswith(f"{model_plan.blocks}.") else unit_load.get(u, 0.0)
                 for sid in plan.stage_ids(r)
                 for u in plan.stage_units[sid]
             )
@@ -246,7 +256,8 @@ def step_time(
         "pp_p2p": pp_p2p,
         "tp_gemm": tp_gemm,
     }
-    terms["imbalance"] = work - compute - recompute - tp_gemm - cp_skew
+    terms["imbalance"] = work - compute - recompute - tp_gemm - cp_skew - vision
+    terms["vision_replicated"], terms["tower_load"] = vision, tower_load
     terms["cp_attention_skew"] = cp_skew
     terms["chunked_loss"] = terms["offload_copies"] = terms["offload_optimizer"] = 0.0
     if "chunked_loss" in layout.levers:
