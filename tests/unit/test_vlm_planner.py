@@ -1,4 +1,4 @@
-"""The vision tower in the memory estimate and the planner (``planner/vision_memory.py``;
+"""The vision tower in the memory estimate and the planner (``models/common/vision/memory.py``, ``planner/memory_terms.py``;
 docs/vlm.md, "Planning"): its parameter shapes against the built tower, what it saves against
 ``saved_tensors_hooks``, the whole estimate against the measured peak of live tensors, and
 where it sits under PP, CP and TP."""
@@ -17,11 +17,11 @@ from tests.saved_tensors import saved_bytes
 from tests.unit import test_estimator as dense
 from torchtitan.config.manager import parse_args
 from torchtitan.models.common.vision import VisionTower
+from torchtitan.models.common.vision.memory import tower_saved_bytes, tower_shapes
 from torchtitan.models.common.vision.positions import frame_lengths, patch_rows_cols
 from torchtitan.models.common.vision.tower import rope_2d
 from torchtitan.models.qwen3_5_vl import QWEN35_VL_FLAVORS
 from torchtitan.planner.estimator import estimate_memory
-from torchtitan.planner.vision_memory import tower_saved_bytes, tower_shapes
 
 VISION = QWEN35_VL_FLAVORS["debugmodel"].vision  # 2 blocks, width 64, 4 heads, 16-px patches
 VLM = ["--model.name", "qwen3_5_vl", "--training.seq_len", "256"]
@@ -131,3 +131,15 @@ def test_cp_does_not_divide_the_towers_activations() -> None:
     two = _est(*cp, *IMAGES, world=2).per_microbatch_activations
     two -= _est(*cp, world=2).per_microbatch_activations
     assert one == two == tower_saved_bytes(VISION, 8 * 256, 256, 4, "cpu")
+
+
+def test_tp_replicates_the_tower() -> None:
+    """TP 2 (the estimate of a layout the family refuses today; the tower is meant to stay
+    replicated, docs/vlm.md): against the text decoder alone (qwen3_5) under the same TP, the
+    tower adds its whole parameters and its whole saved bytes, not half."""
+    tp = ["--parallelism.tensor_parallel_degree", "2"]
+    vl = _est(*tp, *IMAGES, world=2)
+    text = _est(*tp, "--model.name", "qwen3_5", world=2)
+    assert vl.parameters - text.parameters == VISION.num_params() * 4
+    saved = tower_saved_bytes(VISION, 8 * 256, 256, 4, "cpu")
+    assert vl.per_microbatch_activations - text.per_microbatch_activations == saved

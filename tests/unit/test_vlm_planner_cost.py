@@ -1,4 +1,4 @@
-"""The vision tower in the planner's ranking (``planner/vision_cost.py``, ``cost_model.py``;
+"""The vision tower in the planner's ranking (``planner/cost_model.py``;
 docs/vlm.md, "Planning"): cp and tp ranks repeat its work, under PP it loads the first stage,
 and a ranked layout's stage-0 memory holds it."""
 

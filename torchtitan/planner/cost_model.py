@@ -16,8 +16,9 @@
     lora      = adapters on a frozen base (``planner/lora_memory.py``): the base's backward skips
                 the weight-gradient matmuls, FSDP reduces and the optimizer steps the adapters
                 only; ``nf4_dequant``, QLoRA's dequantization per matmul
-    vision_replicated = a vision tower's work repeated on every cp and tp rank; under PP the
-                tower weighs on the first stage's load (``planner/vision_cost.py``)
+    vision_replicated = a vision tower's work repeated on every cp and tp rank (each encodes
+                every image of its group's batch); under PP the tower's FLOPs weigh on the
+                first stage's load (``_tower_per_token``)
     step      = compute + cp_attention_skew + vision_replicated + bubble + tp + cp
                 + exposed fsdp + pp_p2p + all_to_all + moe_tp
                 + nf4_dequant
@@ -35,6 +36,7 @@ import functools
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.context_parallel.layout import window_imbalance
 from torchtitan.models import MODELS
+from torchtitan.models.common.vision.flops import tower_training_flops
 from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.planner.estimator import block_params, param_dtype_bytes
 from torchtitan.planner.layout import Hardware, Layout
@@ -46,7 +48,6 @@ from torchtitan.planner.moe_plan import (
     moe_op_recompute_fraction,
     moe_step_terms,
 )
-from torchtitan.planner.vision_cost import tower_stage_load, vision_replicated_s
 from torchtitan.preflight.validate import pipeline_stages
 
 __all__ = ["cp_attention_imbalance", "step_time"]
@@ -103,6 +104,16 @@ def cp_attention_imbalance(cfg: JobConfig, hw: Hardware, cp: int) -> float:
 @functools.lru_cache(maxsize=64)
 def _imbalance(lengths: tuple[int, ...], seq: int, cp: int, balancer: str) -> float:
     return float(window_imbalance(lengths, seq, cp, balancer).mean())
+
+
+def _tower_per_token(cfg: JobConfig, a: ModelArgs) -> float:
+    """A vision tower's training FLOPs per token of the rows (one image of
+    ``training.image_tokens_per_sample`` merged tokens per sample); 0 without one."""
+    v = getattr(a, "vision", None)
+    tokens = cfg.training.image_tokens_per_sample
+    if v is None or tokens <= 0:
+        return 0.0
+    return tower_training_flops(v, tokens * v.spatial_merge_size**2) / cfg.training.seq_len
 
 
 def step_time(
@@ -199,8 +210,9 @@ def step_time(
     # CP with packed documents: the slowest rank's attention sets the step (cp_attention_skew).
     attention = tokens_device * 12 * a.n_layers * a.n_heads * a.head_dim * seq / peak
     cp_skew = attention * (cp_attention_imbalance(cfg, hw, layout.cp) - 1.0)
-    # A vision tower: cp and tp ranks each encode every image (planner/vision_cost.py).
-    vision = vision_replicated_s(cfg, a, layout, tokens_device, peak)
+    # A vision tower: cp and tp ranks each encode every image, cp x tp times their even share.
+    tower_token = _tower_per_token(cfg, a)
+    vision = tokens_device * tower_token * (layout.cp * layout.tp - 1) / peak
     work = compute + recompute + tp_gemm + cp_skew + vision
     fsdp = max(0.0, fsdp_total - hw.fsdp_overlap * work)
     bubble = 0.0
@@ -213,11 +225,12 @@ def step_time(
         v = plan.stages_per_rank
         # The pipeline runs at the pace of its busiest rank; the head (output projection and
         # loss, the last unit) costs about vocab * dim / block params blocks of work; a
-        # vision tower rides in the first unit (planner/vision_cost.py).
+        # vision tower rides in the first unit: its FLOPs (cp x tp replicated) in blocks'.
         head = a.vocab_size * a.dim / active_block_params(a, block_params(a))
         model_plan = MODELS[cfg.model.name].parallel_plan(a)
         first_unit, head_unit = model_plan.unit_names[0], model_plan.unit_names[-1]
-        tower_load = tower_stage_load(cfg, a, layout, block_flops_fwd_token)
+        block_train = 3 * block_flops_fwd_token / a.n_layers / layout.tp / layout.cp
+        tower_load = tower_token / block_train
         unit_load = {first_unit: tower_load}
         unit_load[head_unit] = head + (unit_load[first_unit] if head_unit == first_unit else 0)
         load = [

@@ -21,6 +21,7 @@ from torchtitan.planner.lora_memory import NF4_BYTES, lora_counts
 from torchtitan.planner.memory_terms import (
     MUON_BUFFER_BYTES,
     MemoryEstimate,
+    TowerMemory,
     block_backward_bytes,
     block_ids,
     checkpoint_mode,
@@ -41,8 +42,8 @@ from torchtitan.planner.memory_terms import (
     shard_elems,
     stage_shapes,
     total_elems,
+    tower_memory,
 )
-from torchtitan.planner.vision_memory import TowerMemory, tower_memory
 
 
 class _Moment(NamedTuple):

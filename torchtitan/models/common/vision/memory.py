@@ -1,7 +1,6 @@
-"""The vision tower in the memory estimate (docs/vlm.md, "Planning"; docs/planning.md): its
-parameters, gradients and optimizer state, and what autograd saves while it encodes the
-images of ``training.image_tokens_per_sample`` (one image per sample, ``m^2`` patches per
-merged token), on the rank that holds it.
+"""Memory of the vision tower (``tower.py``; docs/planning.md, "Vision-language models"): its
+parameters as FSDP shards them and what autograd saves while it encodes images. The
+estimator (``planner/memory_terms.py: tower_memory``, ``planner/rank_memory.py``) places them.
 
 Where the tower lives (``models/qwen3_5_vl/parallel_plan.py``): whole on the first pipeline
 stage (with the token embedding), replicated across tensor parallel (not divided by ``tp``),
@@ -26,12 +25,9 @@ width ``Dh``, ``L`` the patches of the patch's image:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from torchtitan.models.common.vision.args import VisionArgs
 
-__all__ = ["TowerMemory", "tower_memory", "tower_saved_bytes", "tower_shapes"]
+__all__ = ["tower_backward_bytes", "tower_saved_bytes", "tower_shapes"]
 
 Shape = tuple[int, int]
 
@@ -64,39 +60,3 @@ def tower_backward_bytes(v: VisionArgs, patches: int, per_image: int, act: int, 
     two MLP-wide gradients, and (CPU's math path) one image's attention-probability gradient."""
     probs = v.n_heads * per_image * per_image * act if cpu else 0
     return patches * (2 * v.dim + 2 * v.intermediate_size) * act + probs
-
-
-@dataclass(frozen=True)
-class TowerMemory:
-    """The tower's share of one pipeline rank's memory (elements, or bytes where named)."""
-
-    shapes: list[Shape]
-    """Every parameter of the tower, as FSDP shards them."""
-    largest_unit: int
-    """Elements of its largest FSDP unit (gathered while it runs)."""
-    saved_bytes: int
-    """Saved by autograd per microbatch."""
-    backward_bytes: int
-    """One block's backward working set."""
-    patches: int
-    """Patches per microbatch."""
-
-
-def tower_memory(a: Any, cfg: Any, samples: int, act: int, device_type: str) -> TowerMemory | None:
-    """The tower of ``a`` (None without one) for microbatches of ``samples`` samples with
-    ``training.image_tokens_per_sample`` merged image tokens each, in ``act``-byte activations.
-    Not divided by ``cp`` (every cp rank encodes the whole batch's images) nor ``tp``."""
-    v: VisionArgs | None = getattr(a, "vision", None)
-    if v is None:
-        return None
-    per_image = cfg.training.image_tokens_per_sample * v.spatial_merge_size**2
-    patches = samples * per_image
-    root, blocks = tower_shapes(v)
-    units = [root, *blocks]
-    return TowerMemory(
-        shapes=[s for unit in units for s in unit],
-        largest_unit=max(sum(r * c for r, c in unit) for unit in units),
-        saved_bytes=tower_saved_bytes(v, patches, per_image, act, device_type),
-        backward_bytes=tower_backward_bytes(v, patches, per_image, act, device_type == "cpu"),
-        patches=patches,
-    )
