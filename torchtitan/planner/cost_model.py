@@ -213,7 +213,7 @@ def step_time(
     # A vision tower: cp and tp ranks each encode every image, cp x tp times their even share.
     tower_token = _tower_per_token(cfg, a)
     vision = tokens_device * tower_token * (layout.cp * layout.tp - 1) / peak
-    work = compute + recompute + tp_gemm + cp_skew + vision
+    work = balanced = compute + recompute + tp_gemm + cp_skew + vision
     fsdp = max(0.0, fsdp_total - hw.fsdp_overlap * work)
     bubble = 0.0
     pp_p2p = 0.0
@@ -269,7 +269,7 @@ def step_time(
         "pp_p2p": pp_p2p,
         "tp_gemm": tp_gemm,
     }
-    terms["imbalance"] = work - compute - recompute - tp_gemm - cp_skew - vision
+    terms["imbalance"] = work - balanced  # exactly 0 without PP (no rounding residue)
     terms["vision_replicated"], terms["tower_load"] = vision, tower_load
     terms["cp_attention_skew"] = cp_skew
     terms["chunked_loss"] = terms["offload_copies"] = terms["offload_optimizer"] = 0.0
