@@ -94,8 +94,10 @@ def hf_folder_settings(cfg: Any) -> dict[str, Any]:
     """What a run that starts from a Hugging Face folder (``checkpoint.initial_load_in_hf``)
     takes from its ``config.json`` beyond the shapes: the :data:`HONOURED_FIELDS` (RoPE
     scaling, attention windows, the tied head, ``rope_theta``, the norm epsilon), so a Qwen3
-    folder with YaRN or a sliding window trains as that model (docs/hf_io.md, "Config keys").
-    Empty without such a folder, or when its ``config.json`` is unreadable or of another family
+    folder with YaRN or a sliding window trains as that model (docs/hf_io.md, "Config keys"),
+    and the fields its args name in ``HF_FOLDER_FIELDS`` (``qwen3_5_vl``: the image token ids
+    and the MRoPE split, so the model and the data, both built from :func:`run_args`, take the
+    folder's ids; docs/vlm.md). Empty without such a folder, or when its ``config.json`` is unreadable or of another family
     (the preflight names those: ``preflight/validate_weights.py``). The shapes stay the
     flavor's, checked against the folder's by the preflight. Read once per file version (the
     preflight asks from several checks; an unknown key is warned about once)."""
@@ -116,7 +118,10 @@ def _folder_settings(
 ) -> tuple[tuple[str, Any], ...]:
     spec: Any = MODELS.get(family)
     hf = getattr(spec, "hf", None)
-    types = getattr(spec, "hf_model_types", ())
+    flavor = spec.flavors[flavor_key] if spec is not None else None
+    # a family may start from model types it does not claim (qwen3_5_vl: the multimodal
+    # checkpoints family_for_hf_config gives to qwen3_5), and take more fields (its args' own)
+    types = getattr(spec, "hf_model_types", ()) or getattr(flavor, "HF_FOLDER_TYPES", ())
     if hf is None or not types:
         return ()
     try:
@@ -131,8 +136,8 @@ def _folder_settings(
         raise
     except (KeyError, TypeError, ValueError):
         return ()
-    flavor = spec.flavors[flavor_key]
-    names = [n for n in HONOURED_FIELDS if hasattr(flavor, n) and hasattr(theirs, n)]
+    fields = HONOURED_FIELDS + tuple(getattr(flavor, "HF_FOLDER_FIELDS", ()))
+    names = [n for n in fields if hasattr(flavor, n) and hasattr(theirs, n)]
     return tuple((n, getattr(theirs, n)) for n in names if getattr(theirs, n) != getattr(flavor, n))
 
 

@@ -16,8 +16,11 @@
     lora      = adapters on a frozen base (``planner/lora_memory.py``): the base's backward skips
                 the weight-gradient matmuls, FSDP reduces and the optimizer steps the adapters
                 only; ``nf4_dequant``, QLoRA's dequantization per matmul
-    step      = compute + cp_attention_skew + bubble + tp + cp + exposed fsdp + pp_p2p
-                + all_to_all + moe_tp
+    vision_replicated = a vision tower's work repeated on every cp and tp rank (each encodes
+                every image of its group's batch); under PP the tower's FLOPs weigh on the
+                first stage's load (``_tower_per_token``)
+    step      = compute + cp_attention_skew + vision_replicated + bubble + tp + cp
+                + exposed fsdp + pp_p2p + all_to_all + moe_tp
                 + nf4_dequant
 
 A collective moving ``S`` bytes over ``n`` ranks costs ``S * (n - 1) / n / bandwidth`` plus
@@ -33,6 +36,7 @@ import functools
 from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.context_parallel.layout import window_imbalance
 from torchtitan.models import MODELS
+from torchtitan.models.common.vision.flops import tower_training_flops
 from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.planner.estimator import block_params, param_dtype_bytes
 from torchtitan.planner.layout import Hardware, Layout
@@ -100,6 +104,16 @@ def cp_attention_imbalance(cfg: JobConfig, hw: Hardware, cp: int) -> float:
 @functools.lru_cache(maxsize=64)
 def _imbalance(lengths: tuple[int, ...], seq: int, cp: int, balancer: str) -> float:
     return float(window_imbalance(lengths, seq, cp, balancer).mean())
+
+
+def _tower_per_token(cfg: JobConfig, a: ModelArgs) -> float:
+    """A vision tower's training FLOPs per token of the rows (one image of
+    ``training.image_tokens_per_sample`` merged tokens per sample); 0 without one."""
+    v = getattr(a, "vision", None)
+    tokens = cfg.training.image_tokens_per_sample
+    if v is None or tokens <= 0:
+        return 0.0
+    return tower_training_flops(v, tokens * v.spatial_merge_size**2) / cfg.training.seq_len
 
 
 def step_time(
@@ -196,23 +210,32 @@ def step_time(
     # CP with packed documents: the slowest rank's attention sets the step (cp_attention_skew).
     attention = tokens_device * 12 * a.n_layers * a.n_heads * a.head_dim * seq / peak
     cp_skew = attention * (cp_attention_imbalance(cfg, hw, layout.cp) - 1.0)
-    work = compute + recompute + tp_gemm + cp_skew
+    # A vision tower: cp and tp ranks each encode every image, cp x tp times their even share.
+    tower_token = _tower_per_token(cfg, a)
+    vision = tokens_device * tower_token * (layout.cp * layout.tp - 1) / peak
+    work = balanced = compute + recompute + tp_gemm + cp_skew + vision
     fsdp = max(0.0, fsdp_total - hw.fsdp_overlap * work)
     bubble = 0.0
     pp_p2p = 0.0
+    tower_load = 0.0
     if layout.pp > 1:
         mb = layout.microbatches
         plan = pipeline_stages(layout.apply(cfg))
         assert plan is not None
         v = plan.stages_per_rank
         # The pipeline runs at the pace of its busiest rank; the head (output projection and
-        # loss, the last unit) costs about vocab * dim / block params blocks of work.
+        # loss, the last unit) costs about vocab * dim / block params blocks of work; a
+        # vision tower rides in the first unit: its FLOPs (cp x tp replicated) in blocks'.
         head = a.vocab_size * a.dim / active_block_params(a, block_params(a))
         model_plan = MODELS[cfg.model.name].parallel_plan(a)
-        head_unit = model_plan.unit_names[-1]
+        first_unit, head_unit = model_plan.unit_names[0], model_plan.unit_names[-1]
+        block_train = 3 * block_flops_fwd_token / a.n_layers / layout.tp / layout.cp
+        tower_load = tower_token / block_train
+        unit_load = {first_unit: tower_load}
+        unit_load[head_unit] = head + (unit_load[first_unit] if head_unit == first_unit else 0)
         load = [
             sum(
-                1.0 if u.startswith(f"{model_plan.blocks}.") else (head if u == head_unit else 0.0)
+                1.0 if u.startswith(f"{model_plan.blocks}.") else unit_load.get(u, 0.0)
                 for sid in plan.stage_ids(r)
                 for u in plan.stage_units[sid]
             )
@@ -246,7 +269,8 @@ def step_time(
         "pp_p2p": pp_p2p,
         "tp_gemm": tp_gemm,
     }
-    terms["imbalance"] = work - compute - recompute - tp_gemm - cp_skew
+    terms["imbalance"] = work - balanced  # exactly 0 without PP (no rounding residue)
+    terms["vision_replicated"], terms["tower_load"] = vision, tower_load
     terms["cp_attention_skew"] = cp_skew
     terms["chunked_loss"] = terms["offload_copies"] = terms["offload_optimizer"] = 0.0
     if "chunked_loss" in layout.levers:

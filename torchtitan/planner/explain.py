@@ -223,8 +223,8 @@ def _vision_lines(cfg: JobConfig, args: Any, flops_per_token: int) -> list[str]:
     tower = tower_training_flops(v, patches)
     share = tower / (flops_per_token * t.seq_len) if flops_per_token else 0.0
     head = (
-        f"vision tower: {v.num_params() / 1e6:,.1f} M parameters (in the memory estimate; "
-        f"its activations are not), {v.depth} blocks of width {v.dim}"
+        f"vision tower: {v.num_params() / 1e6:,.1f} M parameters (in the memory estimate "
+        f"with its activations, on the first pipeline stage), {v.depth} blocks of width {v.dim}"
     )
     if not patches:
         return [

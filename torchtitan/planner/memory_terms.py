@@ -14,6 +14,12 @@ from torchtitan.config.job_config import JobConfig
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_stages import SCHEDULES, PipelineStages
 from torchtitan.distributed.utils import resolve_dtype
+from torchtitan.models.common.vision.args import VisionArgs
+from torchtitan.models.common.vision.memory import (
+    tower_backward_bytes,
+    tower_saved_bytes,
+    tower_shapes,
+)
 from torchtitan.models.spec import DecoderShape as ModelArgs
 from torchtitan.planner import moe_memory as moe_terms
 
@@ -430,3 +436,42 @@ def loss_working_set(
     softmax = ws + logits + summed
     projection = ws + vocab * dim * grad_bytes + rows * dim * act + summed
     return 0, max(softmax, projection)
+
+
+# ---------------------------------------------------------------------- a vision tower
+@dataclass(frozen=True)
+class TowerMemory:
+    """The tower's share of one pipeline rank's memory (elements, or bytes where named)."""
+
+    shapes: list[tuple[int, int]]
+    """Every parameter of the tower, as FSDP shards them."""
+    largest_unit: int
+    """Elements of its largest FSDP unit (gathered while it runs)."""
+    saved_bytes: int
+    """Saved by autograd per microbatch."""
+    backward_bytes: int
+    """One block's backward working set."""
+    patches: int
+    """Patches per microbatch."""
+
+
+def tower_memory(a: Any, cfg: Any, samples: int, act: int, device_type: str) -> TowerMemory | None:
+    """The vision tower of ``a`` (None without one) on the rank holding it (the first pipeline
+    stage), for microbatches of ``samples`` samples of ``training.image_tokens_per_sample``
+    merged image tokens (one image each), ``act``-byte activations
+    (``models/common/vision/memory.py``). Not divided by ``cp`` (every cp rank encodes the whole
+    batch's images) nor ``tp`` (replicated); AC does not wrap it."""
+    v: VisionArgs | None = getattr(a, "vision", None)
+    if v is None:
+        return None
+    per_image = cfg.training.image_tokens_per_sample * v.spatial_merge_size**2
+    patches = samples * per_image
+    root, blocks = tower_shapes(v)
+    units = [root, *blocks]
+    return TowerMemory(
+        shapes=[s for unit in units for s in unit],
+        largest_unit=max(sum(r * c for r, c in unit) for unit in units),
+        saved_bytes=tower_saved_bytes(v, patches, per_image, act, device_type),
+        backward_bytes=tower_backward_bytes(v, patches, per_image, act, device_type == "cpu"),
+        patches=patches,
+    )

@@ -68,17 +68,34 @@ def _tp_ok(cfg: JobConfig, a: ModelArgs, tp: int, seq: int) -> bool:
     return tp_problem(divisible, tp, seq) is None
 
 
+def _refused(cfg: JobConfig, a: ModelArgs) -> set[str]:
+    """The parallelisms the model's plan refuses (``ModelParallelPlan.refusals``; CP also when
+    the plan has no context-parallel form), as the preflight refuses them."""
+    model_plan = MODELS[cfg.model.name].parallel_plan(a)
+    refused = set(model_plan.refusals)
+    if model_plan.context_parallel is None:
+        refused.add("context_parallel")
+    return refused
+
+
 def enumerate_layouts(cfg: JobConfig, a: ModelArgs, world_size: int, hw: Hardware) -> list[Layout]:
     """Every layout the config's rules accept (memory not checked yet)."""
     seq = cfg.training.seq_len
     gbs = global_batch_of(cfg, world_size)
     g = min(hw.gpus_per_node, world_size)
     out: list[Layout] = []
+    refused = _refused(cfg, a)  # what the model's plan refuses is never offered
     for tp in (d for d in divisors(g) if _tp_ok(cfg, a, d, seq)):
+        if tp > 1 and "tensor_parallel" in refused:
+            continue
         for cp in (c for c in CP_CHOICES if c == 1 or (seq % (2 * c) == 0 and seq // c >= 8192)):
             if (world_size // tp) % cp or world_size % (tp * cp):
                 continue
+            if cp > 1 and "context_parallel" in refused:
+                continue
             for pp in divisors(world_size // (tp * cp)):
+                if pp > 1 and "pipeline_parallel" in refused:
+                    continue
                 if pp > 1 and (pp > a.n_layers // 2 or a.tie_word_embeddings):
                     continue
                 dp = world_size // (tp * cp * pp)
@@ -303,8 +320,15 @@ def _reasons(r: PlanResult, hw: Hardware, world_size: int) -> list[str]:
         )
     if t.get("moe_tp", 0) > 0:
         out.append(f"MoE blocks run whole on each TP rank: {t['moe_tp']:.2f} s more expert compute")
+    if t.get("vision_replicated", 0) > 0:
+        rep = t["vision_replicated"]
+        out.append(
+            f"vision tower run whole on each of the {lay.cp * lay.tp} cp x tp ranks: "
+            f"{rep:.2f} s more ({pct(rep)})"
+        )
     if t.get("imbalance", 0) > 0:
-        out.append(f"pipeline stage imbalance {t['imbalance']:.2f} s (the head's stage is busier)")
+        busier = "the head's or the vision tower's" if t.get("tower_load", 0) else "the head's"
+        out.append(f"pipeline stage imbalance {t['imbalance']:.2f} s ({busier} stage is busier)")
     if t["bubble"] > 0:
         out.append(f"pipeline bubble {t['bubble']:.2f} s ({pct(t['bubble'])})")
     if lay.levers:

@@ -21,6 +21,7 @@ from torchtitan.planner.lora_memory import NF4_BYTES, lora_counts
 from torchtitan.planner.memory_terms import (
     MUON_BUFFER_BYTES,
     MemoryEstimate,
+    TowerMemory,
     block_backward_bytes,
     block_ids,
     checkpoint_mode,
@@ -41,6 +42,7 @@ from torchtitan.planner.memory_terms import (
     shard_elems,
     stage_shapes,
     total_elems,
+    tower_memory,
 )
 
 
@@ -116,6 +118,13 @@ class RankMemory:
         self.mtp_layers = [a.n_layers + k for k in range(depth)]
         roots += mtp_root_shapes(a, depth)
         self.root_shapes = roots
+        self.tower: TowerMemory | None = (
+            None  # a vision tower: with the embedding, on the first stage
+        )
+        if self.has_embedding:
+            samples = self.cfg.training.local_batch_size // (plan.n_microbatches if plan else 1)
+            self.tower = tower_memory(a, self.cfg, samples, self.act, self.device_type)
+        tower = self.tower.shapes if self.tower else []
         # Per block (MoE blocks: router, experts per expert parallel, shared experts).
         self.sizes = {
             i: moe_terms.block_sizes(
@@ -124,12 +133,12 @@ class RankMemory:
             )
             for i in self.layers + self.mtp_layers
         }  # fmt: skip
-        param_elems = self._stored(roots) + sum(b.stored for b in self.sizes.values())
+        param_elems = self._stored(roots + tower) + sum(b.stored for b in self.sizes.values())
         self.parameters = param_elems * self.mw
         moments = param_elems * optimizer_state_bytes_per_param(self.cfg.optimizer.moments_dtype)
         self.muon_step = 0
         if self.cfg.optimizer.name == "Muon":  # blocks: one buffer; roots and norms: AdamW
-            moments = self._muon_state(roots)
+            moments = self._muon_state(roots + tower)  # the tower's: AdamW's
         self.optimizer_states = moments if steady_state else 0
         self.grads_all = param_elems * self.mw
         self.trained = 1.0  # the share of the parameter elements that get gradients
@@ -197,6 +206,7 @@ class RankMemory:
             self.unsharded_block = linear_full * 1 + (block_full - linear_full) * act
             self.notes.append("float8 all-gather: block linears gathered in float8 (1 byte)")
         self.unsharded_root = total_elems(tuple(self.root_shapes)) * act
+        tower = total_elems(tuple(self.tower.shapes)) * act if self.tower else 0
         self.reshard = reshard_policy(
             self.cfg.parallelism.fsdp_reshard_after_forward, dims.pp_enabled
         )
@@ -208,11 +218,11 @@ class RankMemory:
             blocks_live = 2 if self.reshard else n_layers  # current + prefetched, or all
             self.unsharded_fwd = (
                 self.unsharded_root + min(blocks_live, n_layers) * self.unsharded_block
-            )
+            ) + (0 if self.reshard else tower)  # resharded: gathered only while it runs
         elif self.cfg.lora.enable:  # autocast caches no copy of a frozen weight
             self.unsharded_fwd = self.unsharded_root + min(2, n_layers) * self.unsharded_block
         else:  # autocast without FSDP: a low-precision copy of every weight until backward ends
-            self.unsharded_fwd = self.unsharded_root + n_layers * self.unsharded_block
+            self.unsharded_fwd = self.unsharded_root + n_layers * self.unsharded_block + tower
             self.notes.append("autocast keeps a low-precision copy of every weight during the step")
 
     def _activations(self) -> None:
@@ -248,6 +258,9 @@ class RankMemory:
         if is_mla(a):
             self.notes.append(mla_note(a, self.per_block, tokens))
         self.emb_saved = tokens * 8 if self.has_embedding else 0  # token ids
+        if self.tower is not None:  # live until the tower's backward, like the token ids
+            self.emb_saved += self.tower.saved_bytes
+            self.notes.append(self._tower_note())
         self.stages = len(plan.stage_ids(self.pp_rank)) if plan else 1
         self.per_mb = sum(self.per_block.values()) + head_saved + self.emb_saved
         # In-flight microbatch-stages hold on average 1/stages of this rank's activations each.
@@ -295,8 +308,10 @@ class RankMemory:
             resolve_dtype(t.mixed_precision_reduce, self.device_type).itemsize if act != 4 else 4
         )
         self.pp_fsdp = plan is not None and self.fsdp
+        tower = self.tower.shapes if self.tower else []
         unsharded_grads = (
-            total_elems(tuple(self.root_shapes)) + sum(b.gathered for b in self.sizes.values())
+            total_elems(tuple(self.root_shapes + tower))
+            + sum(b.gathered for b in self.sizes.values())
         ) * self.reduce_bytes
         unsharded_grads = int(unsharded_grads * self.trained)
         self.device_grads = 0 if self.offload else self.grads_all  # offloaded: on the host
@@ -390,6 +405,38 @@ class RankMemory:
                 done_grads += int(size.stored * mw * self.trained)
         return moments, done_grads
 
+    def _tower_note(self) -> str:
+        tw, t = self.tower, self.cfg.training
+        assert tw is not None
+        params = total_elems(tuple(tw.shapes))
+        return (
+            f"vision tower (first stage): {params / 1e6:,.2f} M parameters; "
+            f"{t.image_tokens_per_sample} image tokens per sample = {tw.patches} patches per "
+            f"microbatch save {format_bytes(tw.saved_bytes)} (every cp rank encodes every "
+            "image; replicated across tp; activation checkpointing does not wrap it)"
+        )
+
+    def _tower_backward(self, done_grads: int) -> tuple[list[_Moment], int]:
+        """The vision tower's backward (before the embedding's): one of its blocks' working set
+        next to the gradients so far and the tower's own, its largest FSDP unit gathered."""
+        tw = self.tower
+        if tw is None:
+            return [], done_grads
+        elems = total_elems(tuple(tw.shapes))
+        if self.pp_fsdp:
+            done_grads += int(elems * self.reduce_bytes * self.trained)
+        elif not self.offload:
+            done_grads += int(self._stored(tw.shapes) * self.mw * self.trained)
+        grads = max(self.carried_grads, done_grads) + self.root_grad
+        unsharded = self.unsharded_fwd if self.needs_copy else 0
+        if self.fsdp and self.reshard:
+            unsharded = self.unsharded_root + tw.largest_unit * self.act
+        below, ws = self._below(), tw.backward_bytes
+        moment = _Moment(
+            below + ws + grads + unsharded, "vision tower backward", below, ws, grads, unsharded
+        )
+        return [moment], done_grads
+
     def _embedding_backward(self, done_grads: int) -> list[_Moment]:
         """The embedding's whole gradient (its vocabulary rows under TP), made next to every
         gradient accumulated so far (``done_grads``: the blocks')."""
@@ -420,9 +467,11 @@ class RankMemory:
             self.device_grads + step_new, "optimizer step", 0, step_new, self.device_grads, 0,
         )  # fmt: skip
         blocks, done_grads = self._block_backwards()
+        tower, done_grads = self._tower_backward(done_grads)
         moments = [
             self._loss_backward(),
             *blocks,
+            *tower,
             *self._embedding_backward(done_grads),
             optimizer,
         ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from torchtitan.config.errors import ConfigError
 from torchtitan.models.common.vision import VisionArgs
@@ -25,6 +26,20 @@ class Qwen35VLArgs(Qwen35Args):
     mrope_section: tuple[int, int, int] = (11, 11, 10)
     """How many of the rotated frequencies follow time, height and width (interleaved:
     ``positions.py: mrope_axes``)."""
+
+    HF_FOLDER_TYPES: ClassVar[tuple[str, ...]] = ("qwen3_5", "qwen3_5_moe")
+    """The ``config.json`` model types a run of this family starts from (its multimodal
+    checkpoints; ``models.hf_folder_settings`` reads them; ``family_for_hf_config`` still gives
+    them to the text family ``qwen3_5``)."""
+    HF_FOLDER_FIELDS: ClassVar[tuple[str, ...]] = (
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+        "mrope_section",
+    )
+    """What such a run takes from the folder's ``config.json`` beyond the generic settings:
+    the token ids the data and the model share, and the MRoPE split (RoPE, as ``rope_theta``)."""
 
     def shape_problem(self) -> ConfigError | None:
         problem = super().shape_problem()
