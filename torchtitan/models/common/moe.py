@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -171,7 +170,7 @@ class MoE(nn.Module):
         e = self.args.num_experts
         seq = scores.view(bs, -1, e)
         probs = seq / seq.sum(-1, keepdim=True) if self.args.score_func == "sigmoid" else seq
-        load = F.one_hot(idx.view(bs, -1), e).float().mean(1)  # [B, E]: share of slots
+        load = _slot_share(idx.view(bs, -1), e)  # [B, E]: share of slots
         if self.cp_mesh is not None:
             # The share over the whole sequence (the cp ranks hold equal parts of it). ``probs``
             # stays this rank's mean: the cp ranks' losses then average to the one-process
@@ -186,6 +185,17 @@ class MoE(nn.Module):
         rate = self.args.bias_update_rate
         bias = self.router.expert_bias
         bias += rate * torch.sign(counts.mean() - counts).to(bias.dtype)
+
+
+def _slot_share(idx: torch.Tensor, e: int) -> torch.Tensor:
+    """``[B, n]`` expert ids -> ``[B, E]`` each expert's share of a row's ``n`` slots: the mean of
+    their one-hot rows, counted by a scatter-add instead of materialising ``[B, n, E]`` (integer
+    counts are exact in fp32 below 2**24 slots, so the two are equal bitwise)."""
+    fp32 = {"device": idx.device, "dtype": torch.float32}
+    counts = torch.zeros(idx.shape[0], e, **fp32).scatter_add_(
+        1, idx, torch.ones(idx.shape, **fp32)
+    )
+    return counts / idx.shape[1]
 
 
 @torch.compiler.disable
