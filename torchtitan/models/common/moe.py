@@ -191,10 +191,8 @@ def _slot_share(idx: torch.Tensor, e: int) -> torch.Tensor:
     """``[B, n]`` expert ids -> ``[B, E]`` each expert's share of a row's ``n`` slots: the mean of
     their one-hot rows, counted by a scatter-add instead of materialising ``[B, n, E]`` (integer
     counts are exact in fp32 below 2**24 slots, so the two are equal bitwise)."""
-    fp32 = {"device": idx.device, "dtype": torch.float32}
-    counts = torch.zeros(idx.shape[0], e, **fp32).scatter_add_(
-        1, idx, torch.ones(idx.shape, **fp32)
-    )
+    ones = torch.ones_like(idx, dtype=torch.float32)
+    counts = ones.new_zeros(idx.shape[0], e).scatter_add_(1, idx, ones)
     return counts / idx.shape[1]
 
 

@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed import float8_grouped
 from torchtitan.distributed.expert_parallel import scale_grad
 from torchtitan.distributed.float8_grouped import (
     PaddedGroups,
     float8_grouped_mm,
     float8_grouped_mm_padded,
-    pad_groups,
 )
 from torchtitan.models.common.feed_forward import FeedForward
 
@@ -201,7 +201,8 @@ class Experts(StackedExperts):
         rows go into the GEMMs' padded layout once, ``w1``/``w3``/``w2`` multiply in it and the
         output rows come back once. The padding rows are zero and stay zero (``silu(0) * 0``),
         so every scale and every real row equal the per-projection padding's."""
-        buffer, offs, where = pad_groups(x, counts, whole=True)
+        # Through the module: benchmarks/moe_profile.py labels ``pad_groups`` there.
+        buffer, offs, where = float8_grouped.pad_groups(x, counts, whole=True)
         groups = PaddedGroups(counts, offs, where)
         h = F.silu(self.project(buffer, "w1", groups, grouped)) * self.project(
             buffer, "w3", groups, grouped
