@@ -180,6 +180,32 @@ def test_padding_once_allocates_fewer_elements(monkeypatch: pytest.MonkeyPatch) 
     assert old["silu"] == old["silu_backward"] == n * hidden
 
 
+def saved_for_backward(fwd: Forward, e: int, dim: int, hidden: int, rows: int) -> int:
+    """Elements the float8 SwiGLU's forward keeps for its backward (each storage once, the
+    weights not counted)."""
+    ex = _experts(e, dim, hidden)
+    counts = torch.full((e,), rows // e)
+    x = torch.randn(rows, dim, requires_grad=True)
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fwd(ex, x, counts)
+    return sum(kept.values())
+
+
+def test_padding_once_keeps_less_for_the_backward() -> None:
+    """The w1 and w3 GEMMs keep one padded copy of the rows, not one each, and the activation
+    keeps its padded inputs instead of gathered copies (debug expert shape, 1,024 rows)."""
+    old = saved_for_backward(per_projection, 8, 256, 128, 1024)
+    new = saved_for_backward(padded_once, 8, 256, 128, 1024)
+    assert (old, new) == (1_521_688, 1_147_912)
+
+
 @pytest.mark.parametrize("shape", [(2, 16, 8), (4, 8 * 512, 128), (3, 7, 5)])
 def test_slot_share_equals_one_hot_mean(shape: tuple[int, int, int]) -> None:
     """The auxiliary loss's per-sequence slot shares: the scatter-add count over the slots
