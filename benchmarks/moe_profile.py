@@ -9,7 +9,9 @@ Buckets: expert GEMMs (the routed experts' grouped GEMMs, with their float8 cast
 its projections are dense GEMMs), dense GEMMs (every other matmul: projections, dense and
 shared-expert SwiGLUs, the router's gate, the output head), routing (scores, group limit,
 weights), top-k, permutation (sort by expert, gather of rows) and un-permutation
-(scatter back), padding copies (float8's per-expert alignment), combine (weighting the
+(scatter back), padding copies (float8's per-expert alignment: the padded layout's indices
+and, for experts that pad their own rows, the zero buffers; the shared layer's float8 experts
+gather the rows straight into that layout, under permutation), combine (weighting the
 experts' outputs), aux loss, bias update (after the optimizer step), optimizer, other
 (embeddings, norms, loss, ...).
 
@@ -64,6 +66,7 @@ def instrument(model: torch.nn.Module) -> None:
     import torchtitan.distributed.float8_grouped as f8
 
     f8.pad_groups = _label(f8.pad_groups, "L:padding")
+    f8.padded_layout = _label(f8.padded_layout, "L:padding")
 
 
 def bucket(labels: list[str], op: str) -> str:

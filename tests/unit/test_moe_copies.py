@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import torchtitan.distributed.float8_grouped as fg
-from torchtitan.models.common.moe import _slot_share
+from torchtitan.models.common.moe import MoE, _slot_share
 from torchtitan.models.common.moe_experts import Experts, StackedExperts
 
 Forward = Callable[[StackedExperts, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -101,6 +101,41 @@ def test_lora_on_float8_swiglu_padded_once_is_bitwise_equal() -> None:
     assert all(torch.equal(a, b) for a, b in zip(g, ref_g))
 
 
+def _old_dispatch(layer: MoE, flat: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, counts):
+    """The dispatch as it was: gather the slots' rows, the per-projection float8 SwiGLU, weight
+    each slot and sum every token's slots."""
+    order = idx.flatten().argsort(stable=True)
+    token = order // idx.shape[1]
+    out = per_projection(layer.experts, flat[token], counts) * w.flatten()[order, None]
+    return torch.zeros_like(flat).index_add_(0, token, out)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_dispatch_into_padded_layout_is_bitwise_equal(autocast: bool) -> None:
+    """Float8 experts on this rank: the slots gathered straight into the padded layout and
+    combined from it give the old dispatch's output, input, router and expert gradients
+    bitwise."""
+    from tests.unit.test_moe_compose import _layer
+
+    layer = _layer()
+    fg.apply_float8_experts(layer, emulate=True, device_type="cpu")
+    x = torch.randn(3, 16, 64)
+    results = []
+    for dispatch in (_old_dispatch, MoE.dispatch_and_combine):
+        layer.zero_grad()
+        flat = x.reshape(-1, 64).clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            idx, w, _ = layer.router(flat)
+            counts = torch.bincount(idx.flatten(), minlength=8)
+            out = dispatch(layer, flat, idx, w.to(flat.dtype), counts)
+        (out.float().square().sum() + out.float().sum()).backward()
+        grads = [p.grad for p in layer.parameters() if p.grad is not None]
+        results.append((out.detach(), flat.grad, grads))
+    (ref, ref_dx, ref_g), (new, dx, g) = results
+    assert torch.equal(new, ref) and torch.equal(dx, ref_dx) and len(g) == len(ref_g) == 4
+    assert all(torch.equal(a, b) for a, b in zip(g, ref_g))
+
+
 _MUTED = threading.local()
 
 
@@ -178,6 +213,34 @@ def test_padding_once_allocates_fewer_elements(monkeypatch: pytest.MonkeyPatch) 
     # The activation (silu and its backward) runs on the padding rows too.
     assert new["silu"] == new["silu_backward"] == r16 * hidden
     assert old["silu"] == old["silu_backward"] == n * hidden
+
+
+def test_dispatch_into_padded_layout_allocates_fewer_elements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dispatch + float8 SwiGLU + combine, forward and backward, outside the GEMMs, at the debug
+    expert shape (8 experts of 256 x 128, 512 tokens x top-2): the per-projection path against
+    the padded dispatch, op by op (docs/float8.md has the Qwen3-30B-A3B row)."""
+    from torchtitan.models.common.moe import MoEArgs
+
+    def count(dispatch: Callable[..., torch.Tensor]) -> collections.Counter[str]:
+        torch.manual_seed(0)
+        layer = MoE(256, MoEArgs(num_experts=8, top_k=2, expert_dim=128))
+        fg.apply_float8_experts(layer, emulate=True, device_type="cpu")
+        flat = torch.randn(512, 256, requires_grad=True)
+        idx = torch.randint(0, 8, (512, 2))
+        w = torch.rand(512, 2, requires_grad=True)
+        mode = _Allocated()
+        with mode:
+            dispatch(layer, flat, idx, w, torch.full((8,), 128)).sum().backward()
+        return mode.elements
+
+    with _gemm_muted(monkeypatch):
+        old, new = count(_old_dispatch), count(MoE.dispatch_and_combine)
+    assert (sum(old.values()), sum(new.values())) == (6_596_858, 3_315_171)
+    # The zero buffers: three paddings' forward and backward, against the combine's extra row
+    # and the padded slot weights.
+    assert (old["new_zeros"], new["new_zeros"]) == (1_449_984, 265_088)
 
 
 def saved_for_backward(fwd: Forward, e: int, dim: int, hidden: int, rows: int) -> int:

@@ -50,6 +50,7 @@ __all__ = [
     "float8_grouped_mm",
     "float8_grouped_mm_padded",
     "pad_groups",
+    "padded_layout",
     "quantize",
 ]
 
@@ -138,23 +139,31 @@ def pad_groups(
     ``whole``: the buffer is rounded up to a multiple of ``align`` rows and the last group
     extends to its end, so every row lies in a group (a GEMM leaves rows past the last offset
     unwritten: a chain of GEMMs in this layout must not read them)."""
+    size, offs, where = padded_layout(counts, x.shape[0], align, whole)
+    buffer = x.new_zeros(size, x.shape[1]).index_copy(0, where, x)
+    return buffer, offs, where
+
+
+def padded_layout(
+    counts: torch.Tensor, rows: int, align: int = ALIGN, whole: bool = False
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """:func:`pad_groups`'s layout for ``rows`` rows sorted by expert: (the buffer's rows, the
+    padded groups' end offsets, the buffer row of each row)."""
     e = counts.numel()
     padded = (counts + align - 1) // align * align
     starts = torch.cumsum(counts, 0) - counts
     padded_starts = torch.cumsum(padded, 0) - padded
     expert = torch.repeat_interleave(
-        torch.arange(e, device=x.device), counts, output_size=x.shape[0]
+        torch.arange(e, device=counts.device), counts, output_size=rows
     )
-    rows = torch.arange(x.shape[0], device=x.device)
-    where = padded_starts[expert] + rows - starts[expert]
-    size = x.shape[0] + e * (align - 1)
+    where = padded_starts[expert] + torch.arange(rows, device=counts.device) - starts[expert]
+    size = rows + e * (align - 1)
     if whole:
         size = -(-size // align) * align
-    buffer = x.new_zeros(size, x.shape[1]).index_copy(0, where, x)
     offs = torch.cumsum(padded, 0, dtype=torch.int32)
     if whole:
         offs = torch.cat([offs[:-1], offs.new_full((1,), size)])
-    return buffer, offs, where
+    return size, offs, where
 
 
 @dataclass(frozen=True)

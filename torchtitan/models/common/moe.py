@@ -38,7 +38,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.distributed import float8_grouped
 from torchtitan.distributed.expert_parallel import run_experts
+from torchtitan.distributed.float8_grouped import PaddedGroups
 from torchtitan.models.common.moe_experts import Experts, SharedExpert, grouped_mm_supported
 from torchtitan.models.common.moe_router import MoEArgs, Router
 
@@ -151,6 +153,12 @@ class MoE(nn.Module):
         k = idx.shape[1]
         order = idx.flatten().argsort(stable=True)
         token = order // k
+        if (
+            self.ep_mesh is None
+            and isinstance(self.experts, Experts)
+            and self.experts.float8 != "off"
+        ):
+            return self._dispatch_padded(x, token, weights.flatten()[order], counts)
         rows = x[token]
         if torch.compiler.is_compiling() and (
             self.ep_mesh is not None or not self.experts.traceable(rows)
@@ -160,6 +168,25 @@ class MoE(nn.Module):
             out = self._run_experts(rows, counts)
         out = out * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, out)
+
+    def _dispatch_padded(
+        self, x: torch.Tensor, token: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`dispatch_and_combine` for float8 experts on this rank: each slot's token row is
+        gathered straight into the float8 GEMMs' padded layout and the weighted products are
+        summed back from it (docs/float8.md, "Copies around the float8 GEMM"). Padding rows read
+        and write a zero row past the tokens; every real row equals the unpadded path's."""
+        t, dim = x.shape
+        size, offs, where = float8_grouped.padded_layout(counts, token.numel(), whole=True)
+        src = token.new_full((size,), t).index_copy(0, where, token)  # buffer row -> token
+        buffer = torch.cat([x, x.new_zeros(1, dim)])[src]
+        groups = PaddedGroups(counts, offs, where)
+        if torch.compiler.is_compiling() and not self.experts.traceable(buffer):
+            out = _eager(self.experts.forward_padded, buffer, groups)
+        else:
+            out = self.experts.forward_padded(buffer, groups)
+        out = out * weights.new_zeros(size).index_copy(0, where, weights)[:, None]
+        return x.new_zeros(t + 1, dim).index_add_(0, src, out)[:t]
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.ep_mesh is None:

@@ -203,11 +203,17 @@ class Experts(StackedExperts):
         so every scale and every real row equal the per-projection padding's."""
         # Through the module: benchmarks/moe_profile.py labels ``pad_groups`` there.
         buffer, offs, where = float8_grouped.pad_groups(x, counts, whole=True)
-        groups = PaddedGroups(counts, offs, where)
-        h = F.silu(self.project(buffer, "w1", groups, grouped)) * self.project(
-            buffer, "w3", groups, grouped
-        )
-        return self.project(h, "w2", groups, grouped)[where]
+        return self.forward_padded(buffer, PaddedGroups(counts, offs, where), grouped)[where]
+
+    def forward_padded(
+        self, x: torch.Tensor, groups: PaddedGroups, grouped: bool | None = None
+    ) -> torch.Tensor:
+        """The float8 SwiGLU on rows already in the padded layout (``pad_groups(...,
+        whole=True)``), the output in the same layout (zero on the padding rows)."""
+        if grouped is None:
+            grouped = self._grouped(x)
+        h = F.silu(self.project(x, "w1", groups, grouped)) * self.project(x, "w3", groups, grouped)
+        return self.project(h, "w2", groups, grouped)
 
 
 def local_weight(w: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
