@@ -1,7 +1,8 @@
 """The copies around the routed experts' GEMMs (docs/float8.md, "Copies around the float8 GEMM"):
-the float8 SwiGLU padded once instead of once per projection, and the auxiliary loss's slot
-shares counted without a one-hot tensor, each equal bitwise to the path it replaces, and the
-elements the replaced copies allocated counted."""
+the float8 SwiGLU padded once instead of once per projection, the shared layer's dispatch
+straight into the padded layout, and the auxiliary loss's slot shares counted without a one-hot
+tensor, each equal bitwise to the path it replaces, and the elements the replaced copies
+allocated counted."""
 
 from __future__ import annotations
 
