@@ -111,18 +111,25 @@ def _old_dispatch(layer: MoE, flat: torch.Tensor, idx: torch.Tensor, w: torch.Te
     return torch.zeros_like(flat).index_add_(0, token, out)
 
 
-@pytest.mark.parametrize("autocast", [False, True])
-def test_dispatch_into_padded_layout_is_bitwise_equal(autocast: bool) -> None:
+@pytest.mark.parametrize("autocast,lora", [(False, False), (True, False), (False, True)])
+def test_dispatch_into_padded_layout_is_bitwise_equal(autocast: bool, lora: bool) -> None:
     """Float8 experts on this rank: the slots gathered straight into the padded layout and
-    combined from it give the old dispatch's output, input, router and expert gradients
-    bitwise."""
+    combined from it give the old dispatch's output, input, router and expert (or adapter,
+    dropout on) gradients bitwise."""
     from tests.unit.test_moe_compose import _layer
+    from torchtitan.lora.layers import adapt_experts
 
     layer = _layer()
     fg.apply_float8_experts(layer, emulate=True, device_type="cpu")
+    if lora:
+        adapt_experts(layer.experts, ("w1", "w2"), rank=4, scaling=2.0, dropout=0.1)
+        for name, p in layer.experts.named_parameters():
+            if name.startswith("lora"):
+                torch.nn.init.normal_(p, std=0.1)
     x = torch.randn(3, 16, 64)
     results = []
     for dispatch in (_old_dispatch, MoE.dispatch_and_combine):
+        torch.manual_seed(5)  # the same dropout draws
         layer.zero_grad()
         flat = x.reshape(-1, 64).clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -133,7 +140,9 @@ def test_dispatch_into_padded_layout_is_bitwise_equal(autocast: bool) -> None:
         grads = [p.grad for p in layer.parameters() if p.grad is not None]
         results.append((out.detach(), flat.grad, grads))
     (ref, ref_dx, ref_g), (new, dx, g) = results
-    assert torch.equal(new, ref) and torch.equal(dx, ref_dx) and len(g) == len(ref_g) == 4
+    assert (
+        torch.equal(new, ref) and torch.equal(dx, ref_dx) and len(g) == len(ref_g) == 4 + 4 * lora
+    )
     assert all(torch.equal(a, b) for a, b in zip(g, ref_g))
 
 
