@@ -57,6 +57,8 @@ def instrument(model: torch.nn.Module) -> None:
         if isinstance(module, MoE):
             module.router.forward = _label(module.router.forward, "L:routing")  # type: ignore[method-assign]
             module.experts.forward = _label(module.experts.forward, "L:experts")  # type: ignore[method-assign]
+            if hasattr(module.experts, "forward_padded"):  # the float8 dispatch calls it directly
+                module.experts.forward_padded = _label(module.experts.forward_padded, "L:experts")  # type: ignore[method-assign]
             module.dispatch_and_combine = _label(module.dispatch_and_combine, "L:dispatch")  # type: ignore[method-assign]
             module._aux_loss = _label(module._aux_loss, "L:aux")  # type: ignore[method-assign]
             if module.shared is not None:
