@@ -9,7 +9,9 @@ Buckets: expert GEMMs (the routed experts' grouped GEMMs, with their float8 cast
 its projections are dense GEMMs), dense GEMMs (every other matmul: projections, dense and
 shared-expert SwiGLUs, the router's gate, the output head), routing (scores, group limit,
 weights), top-k, permutation (sort by expert, gather of rows) and un-permutation
-(scatter back), padding copies (float8's per-expert alignment), combine (weighting the
+(scatter back), padding copies (float8's per-expert alignment: the padded layout's indices
+and, for experts that pad their own rows, the zero buffers; the shared layer's float8 experts
+gather the rows straight into that layout, under permutation), combine (weighting the
 experts' outputs), aux loss, bias update (after the optimizer step), optimizer, other
 (embeddings, norms, loss, ...).
 
@@ -55,6 +57,8 @@ def instrument(model: torch.nn.Module) -> None:
         if isinstance(module, MoE):
             module.router.forward = _label(module.router.forward, "L:routing")  # type: ignore[method-assign]
             module.experts.forward = _label(module.experts.forward, "L:experts")  # type: ignore[method-assign]
+            if hasattr(module.experts, "forward_padded"):  # the float8 dispatch calls it directly
+                module.experts.forward_padded = _label(module.experts.forward_padded, "L:experts")  # type: ignore[method-assign]
             module.dispatch_and_combine = _label(module.dispatch_and_combine, "L:dispatch")  # type: ignore[method-assign]
             module._aux_loss = _label(module._aux_loss, "L:aux")  # type: ignore[method-assign]
             if module.shared is not None:
@@ -64,6 +68,7 @@ def instrument(model: torch.nn.Module) -> None:
     import torchtitan.distributed.float8_grouped as f8
 
     f8.pad_groups = _label(f8.pad_groups, "L:padding")
+    f8.padded_layout = _label(f8.padded_layout, "L:padding")
 
 
 def bucket(labels: list[str], op: str) -> str:

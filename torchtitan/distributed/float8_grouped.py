@@ -18,7 +18,10 @@ result takes the input's dtype.
 
 Each expert's rows are first padded to a multiple of 16 (the float8 grouped GEMM's alignment)
 by an index copy into a buffer of a fixed size, ``rows + E * 15`` (no host synchronisation:
-the padded offsets are computed on the device), and the output rows are gathered back.
+the padded offsets are computed on the device), and the output rows are gathered back. A
+caller that chains GEMMs over the same rows (the SwiGLU experts) pads once
+(:func:`pad_groups`, :class:`PaddedGroups`) and multiplies in the padded layout
+(:func:`float8_grouped_mm_padded`): the padding rows are zero, so they change no scale.
 
 Two implementations of the same numbers:
 
@@ -32,6 +35,7 @@ Two implementations of the same numbers:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +43,16 @@ from torch import nn
 
 from torchtitan.tools.logging import logger
 
-__all__ = ["ALIGN", "apply_float8_experts", "float8_grouped_mm", "pad_groups", "quantize"]
+__all__ = [
+    "ALIGN",
+    "PaddedGroups",
+    "apply_float8_experts",
+    "float8_grouped_mm",
+    "float8_grouped_mm_padded",
+    "pad_groups",
+    "padded_layout",
+    "quantize",
+]
 
 ALIGN = 16
 """Rows per expert group are padded to a multiple of this (the float8 grouped GEMM's rule)."""
@@ -117,22 +130,51 @@ class _EmulatedFloat8GroupedMM(torch.autograd.Function):
 
 
 def pad_groups(
-    x: torch.Tensor, counts: torch.Tensor, align: int = ALIGN
+    x: torch.Tensor, counts: torch.Tensor, align: int = ALIGN, whole: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(``x``'s rows in a zero buffer of ``rows + E * (align - 1)`` rows where each expert's
     group starts at a multiple of ``align``, the padded groups' end offsets (int32), the buffer
-    row of each row of ``x``). Differentiable; no host synchronisation."""
+    row of each row of ``x``). Differentiable; no host synchronisation.
+
+    ``whole``: the buffer is rounded up to a multiple of ``align`` rows and the last group
+    extends to its end, so every row lies in a group (a GEMM leaves rows past the last offset
+    unwritten: a chain of GEMMs in this layout must not read them)."""
+    size, offs, where = padded_layout(counts, x.shape[0], align, whole)
+    buffer = x.new_zeros(size, x.shape[1]).index_copy(0, where, x)
+    return buffer, offs, where
+
+
+def padded_layout(
+    counts: torch.Tensor, rows: int, align: int = ALIGN, whole: bool = False
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """:func:`pad_groups`'s layout for ``rows`` rows sorted by expert: (the buffer's rows, the
+    padded groups' end offsets, the buffer row of each row)."""
     e = counts.numel()
     padded = (counts + align - 1) // align * align
     starts = torch.cumsum(counts, 0) - counts
     padded_starts = torch.cumsum(padded, 0) - padded
     expert = torch.repeat_interleave(
-        torch.arange(e, device=x.device), counts, output_size=x.shape[0]
+        torch.arange(e, device=counts.device), counts, output_size=rows
     )
-    rows = torch.arange(x.shape[0], device=x.device)
-    where = padded_starts[expert] + rows - starts[expert]
-    buffer = x.new_zeros(x.shape[0] + e * (align - 1), x.shape[1]).index_copy(0, where, x)
-    return buffer, torch.cumsum(padded, 0, dtype=torch.int32), where
+    where = padded_starts[expert] + torch.arange(rows, device=counts.device) - starts[expert]
+    size = rows + e * (align - 1)
+    if whole:
+        size = -(-size // align) * align
+    offs = torch.cumsum(padded, 0, dtype=torch.int32)
+    if whole:
+        offs = torch.cat([offs[:-1], offs.new_full((1,), size)])
+    return size, offs, where
+
+
+@dataclass(frozen=True)
+class PaddedGroups:
+    """Rows in the padded layout of :func:`pad_groups`: ``counts`` the real rows per expert,
+    ``offs`` the padded groups' end offsets (int32), ``where`` the buffer row of each real row
+    (``buffer[where]`` are the rows sorted by expert)."""
+
+    counts: torch.Tensor
+    offs: torch.Tensor
+    where: torch.Tensor
 
 
 def float8_grouped_mm(
@@ -142,17 +184,23 @@ def float8_grouped_mm(
     (``[E, K, N]``), the GEMMs in float8 with rowwise scales (module docstring); ``emulate``
     or a device without float8 GEMMs: the emulation."""
     buffer, offs, where = pad_groups(x, counts)
-    if emulate or x.device.type != "cuda":
-        out = _EmulatedFloat8GroupedMM.apply(buffer, w, offs)
-    else:
-        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+    return float8_grouped_mm_padded(buffer, w, offs, emulate)[where]
 
-        # torchao wants the right operand column-major per expert (strides (K*N, 1, K)).
-        w_cm = w.transpose(-2, -1).contiguous().transpose(-2, -1)
-        out = _to_fp8_rowwise_then_scaled_grouped_mm(
-            buffer, w_cm, offs, out_dtype=x.dtype, pad_token_groups_for_grouped_mm=False
-        )
-    return out[where]
+
+def float8_grouped_mm_padded(
+    buffer: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, emulate: bool
+) -> torch.Tensor:
+    """:func:`float8_grouped_mm` on rows already in the padded layout (``buffer`` and ``offs``
+    from :func:`pad_groups`): the product in the same layout, zero on the padding rows."""
+    if emulate or buffer.device.type != "cuda":
+        return _EmulatedFloat8GroupedMM.apply(buffer, w, offs)
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    # torchao wants the right operand column-major per expert (strides (K*N, 1, K)).
+    w_cm = w.transpose(-2, -1).contiguous().transpose(-2, -1)
+    return _to_fp8_rowwise_then_scaled_grouped_mm(
+        buffer, w_cm, offs, out_dtype=buffer.dtype, pad_token_groups_for_grouped_mm=False
+    )
 
 
 def apply_float8_experts(model: nn.Module, emulate: bool, device_type: str) -> list[str]:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
+from torchtitan.distributed.float8_grouped import PaddedGroups
 from torchtitan.models.common.moe_experts import StackedExperts, expert_matmul, local_weight
 from torchtitan.tools.torch_compat import torchao_nf4
 
@@ -139,15 +140,23 @@ class LoRAExperts(StackedExperts):
     scaling: float
     lora_dropout: nn.Module
 
-    def project(self, x: torch.Tensor, name: str, counts: torch.Tensor, grouped: bool):
+    def project(
+        self, x: torch.Tensor, name: str, counts: torch.Tensor | PaddedGroups, grouped: bool
+    ):
         y = super().project(x, name, counts, grouped)
         if name not in self.adapted:
             return y
         g = self.grad_scale  # expert parallel: 1 / ep on the way to every expert weight
         a = local_weight(getattr(self, f"lora_A_{name}"), g)
         b = local_weight(getattr(self, f"lora_B_{name}"), g)
-        h = expert_matmul(self.lora_dropout(x).to(a.dtype), a, counts, grouped)
-        return y + (expert_matmul(h, b, counts, grouped) * self.scaling).to(y.dtype)
+        # A float8 base in its padded layout: the adapters run on the real rows (padding rows
+        # would change the dropout's draws) and their product is added at those rows.
+        padded = counts if isinstance(counts, PaddedGroups) else None
+        rows, n = (x[padded.where], padded.counts) if padded is not None else (x, counts)
+        assert isinstance(n, torch.Tensor)
+        h = expert_matmul(self.lora_dropout(rows).to(a.dtype), a, n, grouped)
+        delta = (expert_matmul(h, b, n, grouped) * self.scaling).to(y.dtype)
+        return y + delta if padded is None else y.index_add(0, padded.where, delta)
 
     def _grouped(self, x: torch.Tensor) -> bool:
         if not super()._grouped(x):

@@ -33,13 +33,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan.config.errors import ConfigError
+from torchtitan.distributed import float8_grouped
 from torchtitan.distributed.expert_parallel import run_experts
+from torchtitan.distributed.float8_grouped import PaddedGroups
 from torchtitan.models.common.moe_experts import Experts, SharedExpert, grouped_mm_supported
 from torchtitan.models.common.moe_router import MoEArgs, Router
 
@@ -152,6 +153,12 @@ class MoE(nn.Module):
         k = idx.shape[1]
         order = idx.flatten().argsort(stable=True)
         token = order // k
+        if (
+            self.ep_mesh is None
+            and isinstance(self.experts, Experts)
+            and self.experts.float8 != "off"
+        ):
+            return self._dispatch_padded(x, token, weights.flatten()[order], counts)
         rows = x[token]
         if torch.compiler.is_compiling() and (
             self.ep_mesh is not None or not self.experts.traceable(rows)
@@ -162,6 +169,25 @@ class MoE(nn.Module):
         out = out * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, out)
 
+    def _dispatch_padded(
+        self, x: torch.Tensor, token: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`dispatch_and_combine` for float8 experts on this rank: each slot's token row is
+        gathered straight into the float8 GEMMs' padded layout and the weighted products are
+        summed back from it (docs/float8.md, "Copies around the float8 GEMM"). Padding rows read
+        and write a zero row past the tokens; every real row equals the unpadded path's."""
+        t, dim = x.shape
+        size, offs, where = float8_grouped.padded_layout(counts, token.numel(), whole=True)
+        src = token.new_full((size,), t).index_copy(0, where, token)  # buffer row -> token
+        buffer = torch.cat([x, x.new_zeros(1, dim)])[src]
+        groups = PaddedGroups(counts, offs, where)
+        if torch.compiler.is_compiling() and not self.experts.traceable(buffer):
+            out = _eager(self.experts.forward_padded, buffer, groups)
+        else:
+            out = self.experts.forward_padded(buffer, groups)
+        out = out * weights.new_zeros(size).index_copy(0, where, weights)[:, None]
+        return x.new_zeros(t + 1, dim).index_add_(0, src, out)[:t]
+
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.ep_mesh is None:
             return self.experts(rows, counts)
@@ -171,7 +197,7 @@ class MoE(nn.Module):
         e = self.args.num_experts
         seq = scores.view(bs, -1, e)
         probs = seq / seq.sum(-1, keepdim=True) if self.args.score_func == "sigmoid" else seq
-        load = F.one_hot(idx.view(bs, -1), e).float().mean(1)  # [B, E]: share of slots
+        load = _slot_share(idx.view(bs, -1), e)  # [B, E]: share of slots
         if self.cp_mesh is not None:
             # The share over the whole sequence (the cp ranks hold equal parts of it). ``probs``
             # stays this rank's mean: the cp ranks' losses then average to the one-process
@@ -186,6 +212,15 @@ class MoE(nn.Module):
         rate = self.args.bias_update_rate
         bias = self.router.expert_bias
         bias += rate * torch.sign(counts.mean() - counts).to(bias.dtype)
+
+
+def _slot_share(idx: torch.Tensor, e: int) -> torch.Tensor:
+    """``[B, n]`` expert ids -> ``[B, E]`` each expert's share of a row's ``n`` slots: the mean of
+    their one-hot rows, counted by a scatter-add instead of materialising ``[B, n, E]`` (integer
+    counts are exact in fp32 below 2**24 slots, so the two are equal bitwise)."""
+    ones = torch.ones_like(idx, dtype=torch.float32)
+    counts = ones.new_zeros(idx.shape[0], e).scatter_add_(1, idx, ones)
+    return counts / idx.shape[1]
 
 
 @torch.compiler.disable

@@ -13,8 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.distributed import float8_grouped
 from torchtitan.distributed.expert_parallel import scale_grad
-from torchtitan.distributed.float8_grouped import float8_grouped_mm
+from torchtitan.distributed.float8_grouped import (
+    PaddedGroups,
+    float8_grouped_mm,
+    float8_grouped_mm_padded,
+)
 from torchtitan.models.common.feed_forward import FeedForward
 
 __all__ = [
@@ -102,13 +107,23 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def expert_matmul(
-    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, grouped: bool, float8: str = "off"
+    x: torch.Tensor,
+    w: torch.Tensor,
+    counts: torch.Tensor | PaddedGroups,
+    grouped: bool,
+    float8: str = "off",
 ):
     """Rows of ``x`` (sorted by expert, ``counts[e]`` rows for expert ``e``) times ``w[e]``, in
     :func:`compute_dtype` (under autocast both are cast to its dtype first); ``float8``
-    ``native`` / ``emulated``: the rowwise float8 grouped GEMM (``distributed/float8_grouped.py``)."""
+    ``native`` / ``emulated``: the rowwise float8 grouped GEMM (``distributed/float8_grouped.py``).
+    ``counts`` a :class:`PaddedGroups`: ``x`` is already in the float8 GEMM's padded layout (and
+    so is the product)."""
     dtype = compute_dtype(x)
     x, w = x.to(dtype), w.to(dtype)
+    if isinstance(counts, PaddedGroups):
+        if float8 == "off":
+            raise ValueError("padded expert rows are for the float8 grouped GEMM only")
+        return float8_grouped_mm_padded(x, w, counts.offs, emulate=float8 == "emulated")
     if float8 != "off":
         return float8_grouped_mm(x, w, counts, emulate=float8 == "emulated")
     if grouped:
@@ -135,8 +150,11 @@ class StackedExperts(nn.Module):
     """``off``, ``native`` or ``emulated``: the projections' GEMMs in float8
     (``distributed/float8_grouped.py: apply_float8_experts``; adapters stay in high precision)."""
 
-    def project(self, x: torch.Tensor, name: str, counts: torch.Tensor, grouped: bool):
-        """Rows of ``x`` (sorted by expert) times their expert's ``name`` matrix."""
+    def project(
+        self, x: torch.Tensor, name: str, counts: torch.Tensor | PaddedGroups, grouped: bool
+    ):
+        """Rows of ``x`` (sorted by expert) times their expert's ``name`` matrix; ``counts`` a
+        :class:`PaddedGroups`: rows and product in the float8 padded layout."""
         w = local_weight(getattr(self, name), self.grad_scale)
         return expert_matmul(x, w, counts, grouped, self.float8)
 
@@ -173,8 +191,29 @@ class Experts(StackedExperts):
         # Under expert parallel the weights are DTensors: this rank's experts are its shard,
         # and their gradients are scaled by 1 / ep (distributed/expert_parallel.py).
         grouped = self._grouped(x)
+        if self.float8 != "off":
+            return self._forward_padded(x, counts, grouped)
         h = F.silu(self.project(x, "w1", counts, grouped)) * self.project(x, "w3", counts, grouped)
         return self.project(h, "w2", counts, grouped)
+
+    def _forward_padded(self, x: torch.Tensor, counts: torch.Tensor, grouped: bool):
+        """The float8 SwiGLU padded once (docs/float8.md, "Copies around the float8 GEMM"): the
+        rows go into the GEMMs' padded layout once, ``w1``/``w3``/``w2`` multiply in it and the
+        output rows come back once. The padding rows are zero and stay zero (``silu(0) * 0``),
+        so every scale and every real row equal the per-projection padding's."""
+        # Through the module: benchmarks/moe_profile.py labels ``pad_groups`` there.
+        buffer, offs, where = float8_grouped.pad_groups(x, counts, whole=True)
+        return self.forward_padded(buffer, PaddedGroups(counts, offs, where), grouped)[where]
+
+    def forward_padded(
+        self, x: torch.Tensor, groups: PaddedGroups, grouped: bool | None = None
+    ) -> torch.Tensor:
+        """The float8 SwiGLU on rows already in the padded layout (``pad_groups(...,
+        whole=True)``), the output in the same layout (zero on the padding rows)."""
+        if grouped is None:
+            grouped = self._grouped(x)
+        h = F.silu(self.project(x, "w1", groups, grouped)) * self.project(x, "w3", groups, grouped)
+        return self.project(h, "w2", groups, grouped)
 
 
 def local_weight(w: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
