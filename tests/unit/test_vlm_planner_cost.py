@@ -4,10 +4,14 @@ and a ranked layout's stage-0 memory holds it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.unit import test_estimator as dense
 from torchtitan.config.manager import parse_args
+from torchtitan.distributed.model_plan import ModelParallelPlan
+from torchtitan.models import MODELS
 from torchtitan.models.common.vision.flops import tower_training_flops
 from torchtitan.models.qwen3_5_vl import QWEN35_VL_FLAVORS
 from torchtitan.planner.cost_model import step_time
@@ -66,9 +70,20 @@ def test_pp_loads_the_first_stage_with_the_tower(tokens: int) -> None:
     assert (tower > head) == (tokens == 256)
 
 
-def test_planner_never_offers_what_the_model_refuses() -> None:
-    """qwen3_5_vl refuses TP (its plan's refusals): no enumerated layout has tp > 1."""
+def test_planner_never_offers_what_the_model_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family whose plan refuses TP (``ModelParallelPlan.refusals``, as the preflight reads
+    them): no enumerated layout has tp > 1; without the refusal some do."""
     cfg = parse_args([*dense.BASE, *VLM, *IMAGES])
+    layouts = enumerate_layouts(cfg, model_args_for(cfg), 8, HW)
+    assert any(lay.tp > 1 for lay in layouts)  # qwen3_5_vl runs TP (docs/vlm.md)
+    spec = MODELS["qwen3_5_vl"]
+    plan_of = spec.parallel_plan
+
+    def refusing(a: object) -> ModelParallelPlan:
+        refusals = {"tensor_parallel": "refused for this test"}
+        return dataclasses.replace(plan_of(a), refusals=refusals)
+
+    monkeypatch.setitem(MODELS, "qwen3_5_vl", dataclasses.replace(spec, plan=refusing))
     layouts = enumerate_layouts(cfg, model_args_for(cfg), 8, HW)
     assert layouts and all(lay.tp == 1 for lay in layouts)
     assert any(lay.pp == 2 for lay in layouts)

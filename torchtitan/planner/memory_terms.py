@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan.config.job_config import JobConfig
+from torchtitan.distributed.activation_checkpoint import parse_selective_option
 from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_stages import SCHEDULES, PipelineStages
 from torchtitan.distributed.utils import resolve_dtype
 from torchtitan.models.common.vision.args import VisionArgs
 from torchtitan.models.common.vision.memory import (
     tower_backward_bytes,
+    tower_block_saved_bytes,
     tower_saved_bytes,
     tower_shapes,
 )
@@ -460,7 +462,7 @@ def tower_memory(a: Any, cfg: Any, samples: int, act: int, device_type: str) -> 
     stage), for microbatches of ``samples`` samples of ``training.image_tokens_per_sample``
     merged image tokens (one image each), ``act``-byte activations
     (``models/common/vision/memory.py``). Not divided by ``cp`` (every cp rank encodes the whole
-    batch's images) nor ``tp`` (replicated); AC does not wrap it."""
+    batch's images) nor ``tp`` (replicated); AC wraps its blocks as the decoder's."""
     v: VisionArgs | None = getattr(a, "vision", None)
     if v is None:
         return None
@@ -468,10 +470,18 @@ def tower_memory(a: Any, cfg: Any, samples: int, act: int, device_type: str) -> 
     patches = samples * per_image
     root, blocks = tower_shapes(v)
     units = [root, *blocks]
+    ac = cfg.activation_checkpoint
+    option: int | str = (
+        parse_selective_option(ac.selective_ac_option) if ac.mode == "selective" else 0
+    )
+    wrapped = sum(checkpoint_mode(i, ac.mode, option) == "full" for i in range(v.depth))
+    backward = tower_backward_bytes(v, patches, per_image, act, device_type == "cpu")
+    if wrapped:  # a wrapped block's backward first recomputes what it did not save
+        backward += patches * tower_block_saved_bytes(v, per_image, act, device_type)
     return TowerMemory(
         shapes=[s for unit in units for s in unit],
         largest_unit=max(sum(r * c for r, c in unit) for unit in units),
-        saved_bytes=tower_saved_bytes(v, patches, per_image, act, device_type),
-        backward_bytes=tower_backward_bytes(v, patches, per_image, act, device_type == "cpu"),
+        saved_bytes=tower_saved_bytes(v, patches, per_image, act, device_type, wrapped),
+        backward_bytes=backward,
         patches=patches,
     )

@@ -413,7 +413,7 @@ class RankMemory:
             f"vision tower (first stage): {params / 1e6:,.2f} M parameters; "
             f"{t.image_tokens_per_sample} image tokens per sample = {tw.patches} patches per "
             f"microbatch save {format_bytes(tw.saved_bytes)} (every cp rank encodes every "
-            "image; replicated across tp; activation checkpointing does not wrap it)"
+            "image; replicated across tp)"
         )
 
     def _tower_backward(self, done_grads: int) -> tuple[list[_Moment], int]:

@@ -6,8 +6,10 @@ Where the tower lives (``models/qwen3_5_vl/parallel_plan.py``): whole on the fir
 stage (with the token embedding), replicated across tensor parallel (not divided by ``tp``),
 and run by every context-parallel rank on the whole batch's images (its activations are not
 divided by ``cp``). FSDP shards it as its own units (each block, then the rest), gathered
-only while it runs. Activation checkpointing wraps the decoder's blocks only, so the tower
-saves the same under every AC mode.
+only while it runs. Activation checkpointing wraps the tower's blocks as it wraps the
+decoder's (the plan's ``extra_blocks``): a block it wraps whole saves only its input, ``d``
+per patch, and its backward recomputes the rest (one block's saved activations live then).
+Op-level selective AC is counted as no AC (an upper bound).
 
 Saved per patch (``tower.py``, counted with ``saved_tensors_hooks`` on the debug tower,
 ``tests/unit/test_vlm_planner.py``), ``d`` the width, ``f`` the MLP width, ``H`` heads of
@@ -27,7 +29,12 @@ from __future__ import annotations
 
 from torchtitan.models.common.vision.args import VisionArgs
 
-__all__ = ["tower_backward_bytes", "tower_saved_bytes", "tower_shapes"]
+__all__ = [
+    "tower_backward_bytes",
+    "tower_block_saved_bytes",
+    "tower_saved_bytes",
+    "tower_shapes",
+]
 
 Shape = tuple[int, int]
 
@@ -43,16 +50,23 @@ def tower_shapes(v: VisionArgs) -> tuple[list[Shape], list[list[Shape]]]:
     return root, [list(block) for _ in range(v.depth)]
 
 
-def tower_saved_bytes(
-    v: VisionArgs, patches: int, per_image: int, act: int, device_type: str
-) -> int:
-    """Bytes autograd saves while the tower encodes ``patches`` patches in images of
-    ``per_image`` patches each (module docstring)."""
+def tower_block_saved_bytes(v: VisionArgs, per_image: int, act: int, device_type: str) -> int:
+    """Bytes one tower block saves per patch without activation checkpointing."""
     d, f = v.dim, v.intermediate_size
     attention = v.n_heads * per_image * act if device_type == "cpu" else v.n_heads * 4
-    block = (10 * d + 2 * f) * act + (4 + 2 * v.head_dim) * 4 + attention
-    merger = 4 * d * act + 2 * 4
-    return patches * (v.patch_dim * act + v.depth * block + merger)
+    return (10 * d + 2 * f) * act + (4 + 2 * v.head_dim) * 4 + attention
+
+
+def tower_saved_bytes(
+    v: VisionArgs, patches: int, per_image: int, act: int, device_type: str, checkpointed: int = 0
+) -> int:
+    """Bytes autograd saves while the tower encodes ``patches`` patches in images of
+    ``per_image`` patches each, ``checkpointed`` of its blocks wrapped whole by activation
+    checkpointing (module docstring)."""
+    block = tower_block_saved_bytes(v, per_image, act, device_type)
+    merger = 4 * v.dim * act + 2 * 4
+    kept = (v.depth - checkpointed) * block + checkpointed * v.dim * act
+    return patches * (v.patch_dim * act + kept + merger)
 
 
 def tower_backward_bytes(v: VisionArgs, patches: int, per_image: int, act: int, cpu: bool) -> int:
