@@ -18,7 +18,7 @@ from torchtitan.config.errors import ConfigError
 from torchtitan.models import MODELS
 from torchtitan.models.common.moe import MoE, MoEArgs
 from torchtitan.models.common.vision import VisionArgs, mrope_positions
-from torchtitan.models.qwen3_5_vl import Qwen35VLArgs
+from torchtitan.models.qwen3_5_vl import QWEN35_VL_FLAVORS, Qwen35VLArgs
 
 IMAGE = 250
 VISION = dict(
@@ -277,3 +277,20 @@ def test_plan_gives_the_tower_its_own_units_and_places_it_for_every_layout() -> 
     model = MODELS["qwen3_5_vl"].build(args)
     paths = [*plan.fsdp_units, *plan.extra_blocks, "scatter", *plan.tensor_parallel.root]
     assert all(model.get_submodule(path) is not None for path in paths)
+
+
+def test_published_flavor_counts_equal_transformers() -> None:
+    """``397B-A17B``: the text decoder's published count plus a tower whose parameters equal
+    transformers' ``Qwen3_5VisionModel`` built from its default vision config (the published
+    tower) projecting to width 4096, counted on the meta device."""
+    import transformers
+
+    from torchtitan.models.qwen3_5 import QWEN35_FLAVORS
+
+    args = QWEN35_VL_FLAVORS["397B-A17B"]
+    config = transformers.Qwen3_5VisionConfig(out_hidden_size=4096)
+    with torch.device("meta"):
+        tower = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5VisionModel(config)
+    theirs = sum(p.numel() for p in tower.parameters())
+    assert args.vision.num_params() == theirs
+    assert args.num_params() == QWEN35_FLAVORS["397B-A17B"].num_params() + theirs

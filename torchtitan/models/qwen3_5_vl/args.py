@@ -92,7 +92,12 @@ QWEN35_VL_FLAVORS: dict[str, Qwen35VLArgs] = {
     "debugmodel_moe": _vl(
         QWEN35_FLAVORS["debugmodel_moe"], vision=DEBUG_VISION, image_token_id=2047
     ),
+    # Qwen3.5-397B-A17B: its text decoder and its 27-block tower (VisionArgs' defaults, which
+    # are the published tower's) projecting to the decoder's width
+    "397B-A17B": _vl(
+        QWEN35_FLAVORS["397B-A17B"], vision=VisionArgs(out_dim=4096), image_token_id=248056
+    ),
 }
-"""The named shapes; published models come from their ``config.json`` (``hf.py``)."""
+"""The named shapes; other published models come from their ``config.json`` (``hf.py``)."""
 
 __all__ = ["DEBUG_VISION", "QWEN35_VL_FLAVORS", "Qwen35VLArgs"]
