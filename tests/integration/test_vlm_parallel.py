@@ -120,6 +120,21 @@ def test_tp2_moe_equals_one_process_on_image_batches(
 
 
 @pytest.mark.slow
+def test_ep2_moe_equals_one_process_on_image_batches(
+    data: Path, tmp_path: Path, one_process: Callable[[str, int], Run]
+) -> None:
+    """The MoE flavor under expert parallel 2 over FSDP 2 (each rank one sample a step, the
+    experts split between the ranks, the tower whole on each), against one process with both
+    samples."""
+    argv = ["--model.flavor", "debugmodel_moe", "--training.local_batch_size", "1"]
+    argv += ["--parallelism.data_parallel_shard_degree", "2"]
+    argv += ["--parallelism.expert_parallel_degree", "2"]
+    got = _run(data, tmp_path, 2, argv)
+    ref = one_process("debugmodel_moe", 2)
+    _assert_equal_runs(ref, got, "EP 2 MoE", weights_tol=2e-4, norm_tol=3e-3)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("degrees", "label"),
     [
