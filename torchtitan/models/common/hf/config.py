@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from torchtitan.models.common.hf.keys import HFConfigError, KeyTable
+from torchtitan.models.common.hf.keys import KeyTable
 from torchtitan.tools.logging import logger
 
 REQUIRED: Any = object()
@@ -87,22 +87,17 @@ class HFConfig:
 
     def args_from_hf(self, config: Mapping[str, Any]) -> Any:
         """Our args for ``config`` (its keys checked first, unknown ones logged as warnings).
-        A key it leaves out means what transformers builds without it (:func:`absent_keys`)."""
-        known = () if self.keys is None else tuple(self.keys.keys)
+        A key it leaves out means what transformers builds without it (:func:`absent_keys`),
+        except the shapes every file must state (``REQUIRED`` fields: a ``KeyError``, which
+        the entry points report as ``config.json lacks the key ...``)."""
+        required = {f.hf for f in self.fields if f.default is REQUIRED}
+        known = () if self.keys is None else tuple(k for k in self.keys.keys if k not in required)
         config = {**absent_keys(config, known), **config}
         for warning in self.check_keys(config):
             logger.warning(warning)
-        try:
-            kwargs = {f.ours: f.read(config) for f in self.fields if f.ours is not None}
-            for section in self.sections:
-                kwargs.update(section.from_hf(config))
-        except KeyError as e:
-            raise HFConfigError(
-                f"config.json: {e.args[0]}",
-                "missing",
-                f"model_type {config.get('model_type')!r} needs it and transformers has no default",
-                "add the key (the checkpoint's own config.json has it)",
-            ) from None
+        kwargs = {f.ours: f.read(config) for f in self.fields if f.ours is not None}
+        for section in self.sections:
+            kwargs.update(section.from_hf(config))
         args = self.make_args(**kwargs)
         if self.check is not None:
             self.check(args, config)
