@@ -289,7 +289,7 @@ def test_placeholders_and_images_must_agree() -> None:
     assert "\n" not in str(err.value)
 
 
-def test_plan_gives_the_tower_its_own_fsdp_units_and_refuses_model_parallel() -> None:
+def test_plan_gives_the_tower_its_own_fsdp_units_and_refuses_pipeline_and_context() -> None:
     args = MODELS["kimi_k25"].flavors["debugmodel"]
     plan = MODELS["kimi_k25"].parallel_plan(args)
     assert plan.fsdp_units == (
@@ -298,7 +298,8 @@ def test_plan_gives_the_tower_its_own_fsdp_units_and_refuses_model_parallel() ->
         "vision_tower",
         "mm_projector",
     )
-    assert set(plan.refusals) == {"tensor_parallel", "pipeline_parallel", "context_parallel"}
+    assert plan.extra_blocks == ("vision_tower.encoder.blocks",)
+    assert set(plan.refusals) == {"pipeline_parallel", "context_parallel"}
     model = MODELS["kimi_k25"].build(args)
     assert all(model.get_submodule(path) is not None for path in plan.fsdp_units)
 
@@ -314,14 +315,11 @@ def test_published_flavor_counts() -> None:
 
 @pytest.mark.parametrize(
     "degree",
-    [
-        "--parallelism.tensor_parallel_degree",
-        "--parallelism.pipeline_parallel_degree",
-        "--parallelism.context_parallel_degree",
-    ],
+    ["--parallelism.pipeline_parallel_degree", "--parallelism.context_parallel_degree"],
 )
-def test_model_parallel_layouts_are_refused_in_one_line(degree: str, tmp_path: Path) -> None:
-    """TP, PP and CP of kimi_k25 are a one-line config error (exit 2 from the entry points)."""
+def test_pipeline_and_context_parallel_are_refused_in_one_line(degree: str, tmp_path: Path) -> None:
+    """PP and CP of kimi_k25 are a one-line config error (exit 2 from the entry points); TP is
+    not (``tests/integration/test_kimi_parallel.py``)."""
     from tests.unit.test_estimator import BASE
     from torchtitan.preflight.validate import load_config
 

@@ -6,6 +6,7 @@ placeholder tokens; the decoder's RoPE is its plain 1-D one (no multimodal posit
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from torchtitan.distributed.init_weights import ParamInit
 from torchtitan.models.common.kv_cache import KVCache
@@ -17,6 +18,18 @@ from torchtitan.models.kimi_k25.args import KimiK25Args
 VISUAL = ("vision_tower.", "mm_projector.")
 
 
+class VisualScatter(nn.Module):
+    """The projected image tokens written over the placeholders' embeddings (``h`` unchanged
+    without images). A module, with no parameters, so the parallel plan can place its output:
+    under tensor parallel its whole rows are cut onto the sequence shard the first block
+    expects (``parallel_plan.py``)."""
+
+    def forward(
+        self, h: torch.Tensor, placeholders: torch.Tensor, visual: torch.Tensor | None
+    ) -> torch.Tensor:
+        return h if visual is None else scatter_visual(h, placeholders, visual)
+
+
 class KimiK25Model(Transformer):
     """``forward(tokens, pixel_values=, grid_thw=)``: logits ``[B, S, vocab]``."""
 
@@ -26,6 +39,7 @@ class KimiK25Model(Transformer):
         super().__init__(args)
         self.vision_tower = MoonViT(args.vision)
         self.mm_projector = Projector(args.vision)
+        self.scatter = VisualScatter()
 
     def image_tokens(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``[M, dim]``: the merged, projected tokens of the ``grid_thw`` images in order."""
@@ -50,16 +64,17 @@ class KimiK25Model(Transformer):
                 "cache; docs/vlm.md)"
             )
         placeholders = tokens == a.image_token_id
-        h = self.tok_embeddings(tokens)
+        visual = None
         if pixel_values is not None:
             if grid_thw is None:
                 raise ValueError("pixel_values given without grid_thw")
-            h = scatter_visual(h, placeholders, self.image_tokens(pixel_values, grid_thw))
+            visual = self.image_tokens(pixel_values, grid_thw)
         elif bool(placeholders.any()):
             raise ValueError(
                 f"{int(placeholders.sum())} image placeholder tokens (id {a.image_token_id}) "
                 "but no pixel_values"
             )
+        h = self.scatter(self.tok_embeddings(tokens), placeholders, visual)
         h, freqs_cis, mask = self.run_blocks(h, positions, doc_ids, None)
         self.mtp_loss = None  # mtp_depth is 0 (args.py)
         return self._head(h, tokens, freqs_cis, mask, None)
