@@ -3,7 +3,10 @@ compile of the MoonViT blocks (``extra_blocks``) change no loss; under tensor pa
 with FSDP) the tower and projector run whole on every TP rank and 10 steps of image batches
 through the trainer equal one process (losses within 1e-5 relative; the reported gradient norms
 and the final weights within the bounds ``tests/integration/test_vlm_parallel.py`` uses for
-qwen3_5_vl); the tower's gradients are equal on both TP ranks.
+qwen3_5_vl); the tower's gradients are equal on both TP ranks. Pipeline (the tower and
+projector on the first stage, image inputs per sample) and context parallel (the tower whole on
+every cp rank) equal one process as ``tests/integration/test_vlm_pp_cp.py`` checks qwen3_5_vl
+(losses 1e-5, grad norms 5e-4, its learning rate).
 
 The data (``scripts/make_vlm_data.py``, 8 samples) has an image in the even samples only, so a
 one-sample batch has no image every second step (the tower and projector then run on zero
@@ -15,6 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -243,3 +247,149 @@ def test_tp2_tower_gradients_equal_on_both_ranks_and_one_process() -> None:
     for name, (tp, one) in whole.items():
         scale = max(float(np.abs(one).max()), 1e-12)
         assert float(np.abs(tp - one).max()) <= 1e-5 * scale, name
+
+
+IMAGE = 250  # tiny_kimi_k25's placeholder
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Four rows of 32 tokens: row 0 one image (tokens 3-8), row 1 none, row 2 two images
+    (10-17, 20), row 3 one image (20-27); under CP 2 (chunks of 8 tokens: rank 0 holds 0-7 and
+    24-31, rank 1 8-23) row 0's and row 3's images cross the boundary between the ranks."""
+    tokens = torch.randint(0, 240, (4, 32), generator=torch.Generator().manual_seed(0))
+    tokens[0, 3:9] = IMAGE
+    tokens[2, 10:18] = IMAGE
+    tokens[2, 20] = IMAGE
+    tokens[3, 20:28] = IMAGE
+    grids = torch.tensor([[1, 4, 6], [1, 8, 4], [1, 2, 2], [1, 4, 8]])  # 6, 8, 1, 8 tokens
+    pixels = torch.randn(int(grids.prod(-1).sum()), 48, generator=torch.Generator().manual_seed(1))
+    return tokens, pixels, grids
+
+
+def _tiny() -> Any:
+    from tests.tiny_args import tiny_kimi_k25
+    from torchtitan.models import MODELS
+
+    model = MODELS["kimi_k25"].build(tiny_kimi_k25())
+    model.init_weights(seed=0)
+    return model
+
+
+def test_pipeline_microbatches_get_their_samples_images() -> None:
+    """torch's splitter (the schedule's) cuts the per-sample inputs into 4 microbatches of one
+    row: each holds exactly its row's patches and grids (row 1 none: the tower runs on zero
+    patches), and each microbatch's logits equal that row of the whole batch's forward on the
+    collated images (1e-5)."""
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    model = _tiny()
+    tokens, pixels, grids = _batch()
+    whole = model(tokens, pixel_values=pixels, grid_thw=grids)
+    extra = model.image_inputs(tokens, pixels, grids)
+    args, kwargs = split_args_kwargs_into_chunks((tokens,), extra, 4)
+    images = [pixels[:24], pixels[24:24], pixels[24:60], pixels[60:]]
+    row_grids = [grids[:1], grids[:0], grids[1:3], grids[3:]]
+    for row, ((mb_tokens,), mb) in enumerate(zip(args, kwargs, strict=True)):
+        size = mb["grid_thw"].prod(-1)
+        assert torch.equal(mb["grid_thw"][size > 0], row_grids[row])
+        n = int(size.sum())
+        assert torch.equal(mb["pixel_values"][0, :n], images[row])
+        assert not bool(mb["pixel_values"][0, n:].any())  # the padding
+        logits = model(mb_tokens, **mb)
+        torch.testing.assert_close(logits, whole[row : row + 1], rtol=1e-5, atol=1e-5)
+
+
+class _CPMesh:
+    """The two things ``ContextParallel`` reads of a cp mesh (no process group here)."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+
+def test_cp_shards_get_their_image_tokens() -> None:
+    """CP 2 head-tail (the collated patches, per-sample grids): each rank's share keeps the
+    images whole, and its embeddings equal the whole sequence's at its token positions, exactly,
+    with images crossing the shard boundary; the gradient reaches the projector on both
+    ranks."""
+    from torchtitan.distributed.context_parallel import ContextParallel
+    from torchtitan.models import MODELS
+
+    model = _tiny()
+    tokens, pixels, grids = _batch()
+    extra = model.image_inputs(tokens, pixels, grids, microbatched=False)
+    assert extra["pixel_values"] is pixels
+    whole = model._embed(tokens, pixels, grids, None)
+    plan = MODELS["kimi_k25"].parallel_plan(model.args).context_parallel
+    assert plan is not None
+    for rank in (0, 1):
+        mesh = _CPMesh(2, rank)
+        cp = ContextParallel(mesh, "allgather", [model], whole_inputs=plan.whole_inputs)  # type: ignore[arg-type]
+        local, _, sharded = cp.shard(tokens, tokens, extra)
+        where = [*range(0, 8), *range(24, 32)] if rank == 0 else list(range(8, 24))
+        assert torch.equal(local, tokens[:, where])
+        assert torch.equal(sharded["grid_thw"], extra["grid_thw"])
+        h = model._embed(
+            local, sharded["pixel_values"], sharded["grid_thw"], sharded["visual_index"]
+        )
+        assert torch.equal(h, whole[:, where])
+        model.zero_grad()
+        h.sum().backward()
+        grad = model.mm_projector.proj[2].weight.grad
+        assert grad is not None and bool(grad.any())
+
+
+PP_CP_LR = ["--optimizer.lr", "2e-4"]  # test_vlm_pp_cp.py's (its reasons)
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+PP2 += ["--parallelism.pipeline_parallel_microbatch_size", "1"]
+
+
+def _compare(folder: Path, steps: int, batch: int, layout: list[str], label: str) -> None:
+    """One process vs ``layout`` on 2 ranks, ``steps`` steps of ``batch`` samples: losses within
+    1e-5 relative, grad norms within 5e-4 (as ``test_vlm_pp_cp.py``)."""
+    from tests.parity import assert_losses_match
+
+    data = ["--training.dataset_path", str(folder / "data" / "vlm.parquet")]
+    base = [*KIMI, *data, *FP32, *PP_CP_LR, "--training.steps", str(steps)]
+    base += ["--training.local_batch_size", str(batch)]
+    (one,) = run_ranks(_train, 1, base, str(folder / "one"), timeout=900.0)
+    got = run_ranks(_train, 2, [*base, *layout], str(folder / "run"), timeout=900.0)[0]
+    a, b = [r["loss"] for r in one], [r["loss"] for r in got]
+    print(label, "one process:", a, "layout:", b)
+    assert len(a) == steps
+    assert_losses_match(a, b, 1e-5, label)
+    for x, y in zip(one, got, strict=True):
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 5e-4 * abs(x["grad_norm"]), (x, y)
+    assert a[-1] < a[0]
+
+
+def test_pp2_small_equals_one_process_on_image_batches(tmp_path: Path) -> None:
+    """The fast tier's PP case: PP 2 1F1B, 3 steps of 2 samples in 2 microbatches (the tower
+    and projector on stage 0; step 2's second sample is text only)."""
+    make_vlm_data.write(tmp_path / "data", 8, 4, False, 400, text_only_every=4)
+    layout = [*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"]
+    _compare(tmp_path, 3, 2, layout, "kimi PP 2 1F1B (3 steps)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_pp2_equals_one_process_on_image_batches(tmp_path: Path, schedule: str) -> None:
+    """PP 2, 10 steps of 4 microbatches of one sample (16 samples, every 4th text only)."""
+    make_vlm_data.write(tmp_path / "data", 16, 4, False, 400, text_only_every=4)
+    layout = [*PP2, "--parallelism.pipeline_parallel_schedule", schedule]
+    _compare(tmp_path, STEPS, 4, layout, f"kimi PP 2 {schedule}")
+
+
+@pytest.mark.slow
+def test_cp2_equals_one_process_on_image_batches(tmp_path: Path) -> None:
+    """CP 2 (all-gather, head-tail), 10 steps of 4 samples at seq 256; the tower and projector
+    run on the whole batch's images on both ranks (``test_cp_shards_get_their_image_tokens``
+    checks images that cross the shard boundary)."""
+    make_vlm_data.write(tmp_path / "data", 16, 4, False, 400, text_only_every=4)
+    layout = ["--parallelism.context_parallel_degree", "2"]
+    _compare(tmp_path, STEPS, 4, layout, "kimi CP 2")

@@ -11,7 +11,14 @@
   scattered into them (``model.scatter``) and the scatter's output is cut onto the sequence
   shard the first block expects (``Shard(1)``), as for qwen3_5_vl.
 
-Pipeline and context parallel are refused for now (one line at config validation).
+* Pipeline parallel: the tower, the projector and the scatter travel with the token embedding
+  (the first stage's ``tok_embeddings`` unit); the image inputs come per sample
+  (``models/common/vision/images.py``), so the schedule's microbatches split them with their
+  samples. Later stages need nothing of the images: the decoder's positions are plain 1-D.
+* Context parallel: DeepSeek-V3's (MLA on the rank's share of the sequence, the RoPE buffer
+  sharded alike); every cp rank runs the tower on the whole batch's images (``pixel_values``
+  and ``grid_thw`` are whole inputs, not sharded along the sequence), and each placeholder of
+  its share takes its token by ``visual_index``.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleOutput, RowwiseParallel
 
 from torchtitan.distributed.model_plan import ModelParallelPlan
+from torchtitan.distributed.pipeline_stages import PipelineUnit
 from torchtitan.distributed.replicate_parallel import ReplicateWeights
 from torchtitan.models.deepseek_v3.parallel_plan import deepseek_v3_parallel_plan
 from torchtitan.models.kimi_k25.args import KimiK25Args
 
-_LATER = "not implemented yet for kimi_k25 (docs/vlm.md); use data or tensor parallel"
+WHOLE_INPUTS = ("pixel_values", "grid_thw")
+"""Per-sample keyword inputs every cp rank receives whole (images are not along the sequence)."""
 
 
 def vision_root_plan() -> dict[str, ParallelStyle]:
@@ -46,18 +55,19 @@ def kimi_k25_parallel_plan(args: KimiK25Args) -> ModelParallelPlan:
     plan = deepseek_v3_parallel_plan(args)
     tp = plan.tensor_parallel
     tp = dataclasses.replace(tp, root={**tp.root, **vision_root_plan()})
-    refusals = {
-        "pipeline_parallel": f"pipeline parallel is {_LATER}",
-        "context_parallel": f"context parallel is {_LATER}",
-    }
     blocks = tuple(f"vision_tower.encoder.blocks.{i}" for i in range(args.vision.depth))
-    units = (*blocks, "vision_tower", "mm_projector")
+    first, *rest = plan.pipeline_units
+    assert first.modules == ("tok_embeddings",), first
+    visual = ("tok_embeddings", "vision_tower", "mm_projector", "scatter")
+    cp = plan.context_parallel
+    if cp is not None:
+        cp = dataclasses.replace(cp, whole_inputs=WHOLE_INPUTS)
     return dataclasses.replace(
         plan,
         tensor_parallel=tp,
         document_mask=False,
-        refusals=refusals,
-        fsdp_units=units,
+        fsdp_units=(*blocks, "vision_tower", "mm_projector"),
         extra_blocks=("vision_tower.encoder.blocks",),
-        context_parallel=None,  # the preflight names the refusal where there is no CP plan
+        pipeline_units=(PipelineUnit(first.name, visual), *rest),
+        context_parallel=cp,
     )
