@@ -349,16 +349,18 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 PP2 += ["--parallelism.pipeline_parallel_microbatch_size", "1"]
 
 
-def _compare(folder: Path, steps: int, batch: int, layout: list[str], label: str) -> None:
-    """One process vs ``layout`` on 2 ranks, ``steps`` steps of ``batch`` samples: losses within
-    1e-5 relative, grad norms within 5e-4 (as ``test_vlm_pp_cp.py``)."""
+def _compare(
+    folder: Path, steps: int, batch: int, layout: list[str], label: str, world: int = 2
+) -> None:
+    """One process vs ``layout`` on ``world`` ranks, ``steps`` steps of ``batch`` samples:
+    losses within 1e-5 relative, grad norms within 5e-4 (as ``test_vlm_pp_cp.py``)."""
     from tests.parity import assert_losses_match
 
     data = ["--training.dataset_path", str(folder / "data" / "vlm.parquet")]
     base = [*KIMI, *data, *FP32, *PP_CP_LR, "--training.steps", str(steps)]
     base += ["--training.local_batch_size", str(batch)]
     (one,) = run_ranks(_train, 1, base, str(folder / "one"), timeout=900.0)
-    got = run_ranks(_train, 2, [*base, *layout], str(folder / "run"), timeout=900.0)[0]
+    got = run_ranks(_train, world, [*base, *layout], str(folder / "run"), timeout=900.0)[0]
     a, b = [r["loss"] for r in one], [r["loss"] for r in got]
     print(label, "one process:", a, "layout:", b)
     assert len(a) == steps
@@ -393,3 +395,44 @@ def test_cp2_equals_one_process_on_image_batches(tmp_path: Path) -> None:
     make_vlm_data.write(tmp_path / "data", 16, 4, False, 400, text_only_every=4)
     layout = ["--parallelism.context_parallel_degree", "2"]
     _compare(tmp_path, STEPS, 4, layout, "kimi CP 2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("extra", "label"),
+    [
+        ([*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B"], "TP 2 x PP 2"),
+        (["--parallelism.context_parallel_degree", "2"], "TP 2 x CP 2"),
+    ],
+    ids=["tp2_pp2", "tp2_cp2"],
+)
+def test_tp_with_pipeline_or_context_parallel_equals_one_process(
+    extra: list[str], label: str, data: Path, tmp_path: Path, one_process: Callable[[int], Run]
+) -> None:
+    """TP 2 composed with PP 2 (1F1B, two microbatches of one sample; the tower, projector and
+    scatter on the first stage) or CP 2 (every cp rank encodes the batch's images), two
+    samples a step, 4 ranks, against one process with the TP tests' bounds."""
+    argv = ["--training.local_batch_size", "2", "--parallelism.tensor_parallel_degree", "2"]
+    got = _run(data, tmp_path, 4, [*argv, *extra])
+    _assert_equal_runs(one_process(2), got, f"kimi {label}")
+
+
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]
+"""FSDP 2 with the reference's global batch of 4 (the later flag wins over ``_compare``'s)."""
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+COMPOSED = {
+    "PP 2 x CP 2": [*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B", *CP2],
+    "FSDP 2 x CP 2": [*FSDP2, *CP2],
+    "PP 2 x FSDP 2": [*PP2, "--parallelism.pipeline_parallel_schedule", "1F1B", *FSDP2],
+    "PP 2 Interleaved1F1B": [*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("label", sorted(COMPOSED))
+def test_composed_layouts_equal_one_process_on_image_batches(tmp_path: Path, label: str) -> None:
+    """PP and CP composed with each other and with FSDP, and an interleaved schedule (4
+    stages, 2 per rank: rank 0 holds stage 0 with the tower), 10 steps of 4 samples."""
+    make_vlm_data.write(tmp_path / "data", 16, 4, False, 400, text_only_every=4)
+    world = 4 if label.count(" x ") else 2
+    _compare(tmp_path, STEPS, 4, COMPOSED[label], f"kimi {label}", world=world)
