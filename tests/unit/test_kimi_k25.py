@@ -289,7 +289,9 @@ def test_placeholders_and_images_must_agree() -> None:
     assert "\n" not in str(err.value)
 
 
-def test_plan_gives_the_tower_its_own_fsdp_units_and_refuses_model_parallel() -> None:
+def test_plan_places_the_tower_for_every_layout() -> None:
+    """Its own FSDP units, AC/compile per block, the first pipeline unit, whole inputs under
+    CP, replicated under TP; no layout refused (tests/integration/test_kimi_parallel.py)."""
     args = MODELS["kimi_k25"].flavors["debugmodel"]
     plan = MODELS["kimi_k25"].parallel_plan(args)
     assert plan.fsdp_units == (
@@ -298,7 +300,17 @@ def test_plan_gives_the_tower_its_own_fsdp_units_and_refuses_model_parallel() ->
         "vision_tower",
         "mm_projector",
     )
-    assert set(plan.refusals) == {"tensor_parallel", "pipeline_parallel", "context_parallel"}
+    assert plan.extra_blocks == ("vision_tower.encoder.blocks",)
+    assert plan.pipeline_units[0].modules == (
+        "tok_embeddings",
+        "vision_tower",
+        "mm_projector",
+        "scatter",
+    )
+    assert plan.context_parallel is not None
+    assert plan.context_parallel.whole_inputs == ("pixel_values", "grid_thw")
+    assert {"vision_tower", "mm_projector", "scatter"} <= set(plan.tensor_parallel.root)
+    assert not plan.refusals
     model = MODELS["kimi_k25"].build(args)
     assert all(model.get_submodule(path) is not None for path in plan.fsdp_units)
 
@@ -310,25 +322,6 @@ def test_published_flavor_counts() -> None:
     assert round(args.num_params() / 1e9) == 1027
     assert round(args.num_params(active=True) / 1e9, 1) == 33.3
     assert round(args.vision.num_params() / 1e9, 2) == 0.47
-
-
-@pytest.mark.parametrize(
-    "degree",
-    [
-        "--parallelism.tensor_parallel_degree",
-        "--parallelism.pipeline_parallel_degree",
-        "--parallelism.context_parallel_degree",
-    ],
-)
-def test_model_parallel_layouts_are_refused_in_one_line(degree: str, tmp_path: Path) -> None:
-    """TP, PP and CP of kimi_k25 are a one-line config error (exit 2 from the entry points)."""
-    from tests.unit.test_estimator import BASE
-    from torchtitan.preflight.validate import load_config
-
-    argv = [*BASE, "--model.name", "kimi_k25", "--job.dump_folder", str(tmp_path), degree, "2"]
-    with pytest.raises(ConfigError, match="not implemented yet for kimi_k25") as e:
-        load_config(argv, world_size=2)
-    assert "\n" not in str(e.value)
 
 
 def test_preflight_reads_a_folder_transformers_wrote(tmp_path: Path) -> None:

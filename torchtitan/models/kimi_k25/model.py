@@ -6,10 +6,12 @@ placeholder tokens; the decoder's RoPE is its plain 1-D one (no multimodal posit
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from torchtitan.distributed.init_weights import ParamInit
 from torchtitan.models.common.kv_cache import KVCache
 from torchtitan.models.common.vision import scatter_visual
+from torchtitan.models.common.vision.images import per_sample_images, place_visual, unpad_images
 from torchtitan.models.common.vision.moonvit import MoonViT, Projector, moonvit_init
 from torchtitan.models.deepseek_v3.model import Transformer
 from torchtitan.models.kimi_k25.args import KimiK25Args
@@ -17,18 +19,46 @@ from torchtitan.models.kimi_k25.args import KimiK25Args
 VISUAL = ("vision_tower.", "mm_projector.")
 
 
+class VisualScatter(nn.Module):
+    """The projected image tokens written over the placeholders' embeddings (``h`` unchanged
+    without images): in order (the collated form) or by ``visual_index`` (the per-sample form
+    pipeline and context parallel split, ``models/common/vision/images.py``). A module, with no
+    parameters, so the parallel plan can place its output: under tensor parallel its whole rows
+    are cut onto the sequence shard the first block expects (``parallel_plan.py``)."""
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        placeholders: torch.Tensor,
+        visual: torch.Tensor | None,
+        visual_index: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if visual is None:
+            return h
+        if visual_index is None:
+            return scatter_visual(h, placeholders, visual)
+        assert offsets is not None
+        return place_visual(h, placeholders, visual, visual_index, offsets)
+
+
 class KimiK25Model(Transformer):
     """``forward(tokens, pixel_values=, grid_thw=)``: logits ``[B, S, vocab]``."""
 
     args: KimiK25Args
+    vision_tower: MoonViT | None  # None on a pipeline stage after the first
+    mm_projector: Projector | None
+    scatter: VisualScatter | None
 
     def __init__(self, args: KimiK25Args) -> None:
         super().__init__(args)
         self.vision_tower = MoonViT(args.vision)
         self.mm_projector = Projector(args.vision)
+        self.scatter = VisualScatter()
 
     def image_tokens(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """``[M, dim]``: the merged, projected tokens of the ``grid_thw`` images in order."""
+        assert self.vision_tower is not None and self.mm_projector is not None
         return self.mm_projector(self.vision_tower(pixel_values, grid_thw))
 
     def forward(  # type: ignore[override]
@@ -39,30 +69,77 @@ class KimiK25Model(Transformer):
         doc_ids: torch.Tensor | None = None,
         pixel_values: torch.Tensor | None = None,
         grid_thw: torch.Tensor | None = None,
+        visual_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``tokens`` ``[B, S]`` holding ``image_token_id`` placeholders; ``pixel_values``
+        """``tokens`` ``[B, S]`` holding ``image_token_id`` placeholders (hidden states
+        ``[B, S, dim]`` on a pipeline stage without the embedding); ``pixel_values``
         ``[N, 3 * P * P]`` the patches of the ``grid_thw`` (``[images, 3]``) images in the
-        order their placeholders appear (row by row)."""
-        a = self.args
-        if cache is not None or self.tok_embeddings is None or self.output is None:
-            raise ValueError(
-                "kimi_k25 runs whole models on token ids (no pipeline stage, no generation "
-                "cache; docs/vlm.md)"
-            )
-        placeholders = tokens == a.image_token_id
-        h = self.tok_embeddings(tokens)
-        if pixel_values is not None:
-            if grid_thw is None:
-                raise ValueError("pixel_values given without grid_thw")
-            h = scatter_visual(h, placeholders, self.image_tokens(pixel_values, grid_thw))
-        elif bool(placeholders.any()):
-            raise ValueError(
-                f"{int(placeholders.sum())} image placeholder tokens (id {a.image_token_id}) "
-                "but no pixel_values"
-            )
+        order their placeholders appear (row by row), or the per-sample form with
+        ``visual_index`` (``image_inputs``) that pipeline and context parallel split."""
+        if cache is not None:
+            raise ValueError("kimi_k25 has no generation cache yet (docs/vlm.md)")
+        if self.tok_embeddings is None:  # a later pipeline stage: hidden states in
+            h = tokens
+        else:
+            h = self._embed(tokens, pixel_values, grid_thw, visual_index)
         h, freqs_cis, mask = self.run_blocks(h, positions, doc_ids, None)
         self.mtp_loss = None  # mtp_depth is 0 (args.py)
+        if self.output is None:  # a pipeline stage before the last
+            return h
         return self._head(h, tokens, freqs_cis, mask, None)
+
+    def _embed(
+        self,
+        tokens: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        grid_thw: torch.Tensor | None,
+        visual_index: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Token embeddings with the projected image tokens at the placeholders (whole rows
+        until ``self.scatter``, which tensor parallel cuts onto the sequence shard)."""
+        a = self.args
+        assert self.tok_embeddings is not None and self.scatter is not None
+        placeholders = tokens == a.image_token_id
+        h = self.tok_embeddings(tokens)
+        if pixel_values is None:
+            if bool(placeholders.any()):
+                raise ValueError(
+                    f"{int(placeholders.sum())} image placeholder tokens (id {a.image_token_id}) "
+                    "but no pixel_values"
+                )
+            return self.scatter(h, placeholders, None)
+        if grid_thw is None:
+            raise ValueError("pixel_values given without grid_thw")
+        if visual_index is None:  # the collated form: images in order
+            if grid_thw.dim() != 2 or pixel_values.dim() != 2:
+                raise ValueError("per-sample pixel_values / grid_thw need visual_index")
+            return self.scatter(h, placeholders, self.image_tokens(pixel_values, grid_thw))
+        merge = a.vision.spatial_merge_size
+        pixels, grids, offsets = unpad_images(pixel_values, grid_thw, merge, pool_frames=True)
+        visual = self.image_tokens(pixels, grids)
+        return self.scatter(h, placeholders, visual, visual_index, offsets)
+
+    def image_inputs(
+        self,
+        tokens: torch.Tensor,
+        pixel_values: torch.Tensor,
+        grid_thw: torch.Tensor,
+        microbatched: bool = True,
+    ) -> dict[str, torch.Tensor]:
+        """A collated image batch's keyword inputs in the per-sample form pipeline and context
+        parallel split (``models/common/vision/images.py``; a clip's frames pooled into one set
+        of merged tokens), from its whole sequences; ``pixel_values`` padded per row only when
+        ``microbatched`` (a pipeline schedule splits the batch)."""
+        a = self.args
+        return per_sample_images(
+            tokens,
+            pixel_values,
+            grid_thw,
+            a.image_token_id,
+            a.vision.spatial_merge_size,
+            microbatched,
+            pool_frames=True,
+        )
 
     def _rule(self, fqn: str) -> ParamInit:
         if fqn.startswith(VISUAL):

@@ -1,53 +1,23 @@
-"""The image batch in the per-sample form that pipeline and context parallel can split
-(docs/vlm.md, "Pipeline and context parallel").
+"""The image batch of qwen3_5_vl in the per-sample form that pipeline and context parallel can
+split (docs/vlm.md, "Pipeline and context parallel"): the shared form
+(``models/common/vision/images.py``: ``pixel_values``, ``grid_thw``, ``visual_index``) plus
 
-The collated batch holds the patches of all its images in one ragged ``[N, patch_dim]`` tensor
-(``data/vlm_dataset.py: collate``). A pipeline schedule splits every keyword input along the
-batch dimension and context parallel splits ``[B, S, ...]`` inputs along the sequence, so
-:func:`per_sample_images` turns the batch, from its whole sequences, into
-
-* ``pixel_values`` ``[B, P, patch_dim]``: each row's patches, zero-padded to the longest row,
-  when the batch goes through a pipeline schedule (``microbatched``); otherwise the collated
-  ``[N, patch_dim]`` as it is (context parallel gives every cp rank all of it), which saves the
-  padding (1.9x the patches on the test data: a text-only row pads a whole row);
-* ``grid_thw`` ``[B, I, 3]``: each row's image grids, zero rows for no image;
-* ``visual_index`` ``[B, S]``: for a placeholder, which of its row's merged image tokens it
-  receives (``-1`` for text), so a shard of the sequence finds its tokens;
 * ``mrope_positions`` ``[B, S, 3]``: the time/height/width positions of the whole sequence,
   which a pipeline stage without the tokens and a context-parallel shard cannot recompute.
 
-The model undoes the padding (:func:`unpad_images`) and gathers each placeholder's token
-(:func:`place_visual`).
+Without a pipeline the collated ``[N, patch_dim]`` patches stay as they are, which saves the
+padding (1.9x the patches on the test data: a text-only row pads a whole row).
 """
 
 from __future__ import annotations
 
 import torch
 
+from torchtitan.models.common.vision import images as shared
 from torchtitan.models.common.vision import mrope_positions
+from torchtitan.models.common.vision.images import place_visual, unpad_images
 
-
-def _grids_per_row(
-    placeholders: torch.Tensor, grid_thw: torch.Tensor, merge: int
-) -> list[list[int]]:
-    """The indices of the images each row holds: the images in order, each row taking as many
-    as its placeholder count (``t*h*w / merge**2`` per image)."""
-    per_image = (grid_thw.prod(-1) // merge**2).tolist()
-    rows, nxt = [], 0
-    for b, need in enumerate(placeholders.sum(1).tolist()):
-        taken: list[int] = []
-        while need > 0 and nxt < len(per_image):
-            taken.append(nxt)
-            need, nxt = need - per_image[nxt], nxt + 1
-        if need != 0:
-            raise ValueError(
-                f"row {b}: its image placeholders do not add up to whole images of grid_thw "
-                "(each image of grid t x h x w needs t*h*w/merge**2 placeholders in one row)"
-            )
-        rows.append(taken)
-    if nxt != len(per_image):
-        raise ValueError(f"{len(per_image) - nxt} images of grid_thw have no placeholders")
-    return rows
+__all__ = ["per_sample_images", "place_visual", "unpad_images"]
 
 
 def per_sample_images(
@@ -58,64 +28,13 @@ def per_sample_images(
     merge: int,
     microbatched: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """The collated batch's images (``[N, patch_dim]``, ``[images, 3]``) for ``tokens``
-    ``[B, S]`` in the per-sample form (module docstring; ``pixel_values`` padded per row only
-    if ``microbatched``); ``ValueError`` (one line) when the placeholders and the images do
-    not pair up row by row."""
-    placeholders = tokens == image_token_id
-    grid_thw = grid_thw.view(-1, 3).to(tokens.device)
-    rows = _grids_per_row(placeholders, grid_thw.cpu(), merge)
-    patches = grid_thw.prod(-1).tolist()
-    starts = [0]
-    for n in patches:
-        starts.append(starts[-1] + n)
-    b, dim = tokens.shape[0], pixel_values.shape[-1]
-    n_patches = [sum(patches[i] for i in row) for row in rows]
-    pixels = pixel_values.new_zeros(b, max(n_patches, default=0), dim) if microbatched else None
-    grids = grid_thw.new_zeros(b, max((len(r) for r in rows), default=0), 3)
-    for r, row in enumerate(rows):
-        if row:
-            grids[r, : len(row)] = grid_thw[row[0] : row[-1] + 1]
-            if pixels is not None:
-                pixels[r, : n_patches[r]] = pixel_values[starts[row[0]] : starts[row[-1] + 1]]
-    visual_index = torch.where(placeholders, placeholders.long().cumsum(1) - 1, -1)
-    positions = mrope_positions(tokens, image_token_id, grid_thw, merge)
-    return {
-        "pixel_values": pixel_values if pixels is None else pixels,
-        "grid_thw": grids,
-        "visual_index": visual_index,
-        "mrope_positions": positions.permute(1, 2, 0).contiguous(),
-    }
-
-
-def unpad_images(
-    pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample ``grid_thw`` ``[B, I, 3]`` with ``pixel_values`` padded per row
-    (``[B, P, patch_dim]``) or collated (``[N, patch_dim]``) -> the ragged form the tower takes
-    (``[N, patch_dim]``, ``[images, 3]``, rows in order) and the offset of each row's first
-    merged token in the tower's output (``[B]``)."""
-    size = grid_thw.prod(-1)  # [B, I]; 0 for padding
-    tokens = (size // merge**2).sum(1)
-    offsets = tokens.cumsum(0) - tokens
-    if pixel_values.dim() == 3:
-        keep = torch.arange(pixel_values.shape[1], device=size.device) < size.sum(1, keepdim=True)
-        pixel_values = pixel_values[keep.to(pixel_values.device)]
-    return pixel_values, grid_thw[size > 0], offsets
-
-
-def place_visual(
-    h: torch.Tensor,
-    placeholders: torch.Tensor,
-    visual: torch.Tensor,
-    visual_index: torch.Tensor,
-    offsets: torch.Tensor,
-) -> torch.Tensor:
-    """``h`` ``[B, S, D]`` with each placeholder's row replaced by its merged image token
-    ``visual[offsets[b] + visual_index[b, s]]``. ``visual`` always joins the graph (an empty
-    one too, or one no placeholder of this shard reads), so the tower's backward, and the
-    FSDP collectives in it, run on every rank."""
-    pad = visual.shape[0]  # the index of an extra zero row read by text positions
-    rows = (offsets[:, None].to(visual_index.device) + visual_index).masked_fill(~placeholders, pad)
-    table = torch.cat([visual.to(h.dtype), h.new_zeros(1, h.shape[-1])])
-    return torch.where(placeholders[..., None], table[rows], h)
+    """The shared per-sample form of the batch's images plus the whole sequence's MRoPE
+    positions (module docstring); ``ValueError`` (one line) when the placeholders and the
+    images do not pair up row by row."""
+    out = shared.per_sample_images(
+        tokens, pixel_values, grid_thw, image_token_id, merge, microbatched
+    )
+    grids = grid_thw.view(-1, 3).to(tokens.device)
+    positions = mrope_positions(tokens, image_token_id, grids, merge)
+    out["mrope_positions"] = positions.permute(1, 2, 0).contiguous()
+    return out

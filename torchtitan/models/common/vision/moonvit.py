@@ -15,6 +15,9 @@
 
 Parameter names are the checkpoints' (``encoder.blocks.<i>.wqkv``, ``norm0``, ``mlp.fc0``,
 ``patch_embed.pos_emb.weight``, ``proj.0``), so their mapping is the identity under a prefix.
+As the Qwen tower, the modules compute with the local values of their weights (``tower.py:
+local``), so under tensor parallel the tower and projector run whole on every TP rank with
+replicated parameters (``kimi_k25/parallel_plan.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import nn
 from torchtitan.config.errors import ConfigError
 from torchtitan.distributed.init_weights import ParamInit
 from torchtitan.models.common.vision.args import ACTIVATIONS
+from torchtitan.models.common.vision.tower import _layer_norm, _linear, local
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,12 @@ class MoonViTArgs:
     def patch_dim(self) -> int:
         return self.in_channels * self.patch_size**2
 
+    @property
+    def num_position_embeddings(self) -> int:
+        """The position table's rows (``height * width``), as the planner's tower memory reads
+        them (``memory.py: tower_shapes``)."""
+        return self.pos_emb_height * self.pos_emb_width
+
     def num_params(self) -> int:
         d, f, k = self.dim, self.intermediate_size, self.merge_kernel[0] * self.merge_kernel[1]
         block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + 2 * d * f + f + d
@@ -181,7 +191,7 @@ class MoonViTMLP(nn.Module):
         self.fc1 = nn.Linear(a.intermediate_size, a.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc1(self.act(self.fc0(x)))
+        return _linear(self.fc1, self.act(_linear(self.fc0, x)))
 
 
 class MoonViTBlock(nn.Module):
@@ -198,17 +208,18 @@ class MoonViTBlock(nn.Module):
 
     def attend(self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.wqkv(x).view(n, 3, self.n_heads, self.head_dim).unbind(1)
+        q, k, v = _linear(self.wqkv, x).view(n, 3, self.n_heads, self.head_dim).unbind(1)
         q, k = rotate_pairs(q, angles), rotate_pairs(k, angles)
         outs = []
         for qs, ks, vs in zip(*(t.split(lengths) for t in (q, k, v)), strict=True):
             o = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (qs, ks, vs)))
             outs.append(o.transpose(0, 1))
-        return self.wo((torch.cat(outs) if outs else v).reshape(n, self.n_heads * self.head_dim))
+        o = (torch.cat(outs) if outs else v).reshape(n, self.n_heads * self.head_dim)
+        return _linear(self.wo, o)
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        h = x + self.attend(self.norm0(x), angles, lengths)
-        return h + self.mlp(self.norm1(h))
+        h = x + self.attend(_layer_norm(self.norm0, x), angles, lengths)
+        return h + self.mlp(_layer_norm(self.norm1, h))
 
 
 class PositionTable(nn.Module):
@@ -229,8 +240,14 @@ class PatchEmbed(nn.Module):
         self.pos_emb = PositionTable(a)
 
     def forward(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        x = self.proj(pixels.reshape(-1, *self.shape).to(self.proj.weight.dtype)).flatten(1)
-        return x + bicubic_positions(self.pos_emb.weight, grid_thw).to(x.dtype)
+        weight, bias = local(self.proj.weight), local(self.proj.bias)
+        assert weight is not None
+        x = F.conv2d(
+            pixels.reshape(-1, *self.shape).to(weight.dtype), weight, bias, self.proj.stride
+        )
+        table = local(self.pos_emb.weight)
+        assert table is not None
+        return x.flatten(1) + bicubic_positions(table, grid_thw).to(x.dtype)
 
 
 class MoonViTEncoder(nn.Module):
@@ -259,7 +276,7 @@ class MoonViT(nn.Module):
         lengths = [t * h * w for t, h, w in grids]
         for block in self.encoder.blocks:
             x = block(x, angles, lengths)
-        x = self.encoder.final_layernorm(x)
+        x = _layer_norm(self.encoder.final_layernorm, x)
         kh, kw = a.merge_kernel
         merged = []
         for (t, h, w), clip in zip(grids, x.split(lengths), strict=True):
@@ -279,7 +296,10 @@ class Projector(nn.Module):
         self.proj = nn.Sequential(nn.Linear(k, k), nn.GELU(), nn.Linear(k, a.out_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.pre_norm(x).flatten(1))
+        fc0, act, fc1 = self.proj
+        assert isinstance(fc0, nn.Linear) and isinstance(fc1, nn.Linear)
+        x = _layer_norm(self.pre_norm, x).flatten(1)
+        return _linear(fc1, act(_linear(fc0, x)))
 
 
 def moonvit_init(name: str) -> ParamInit:
