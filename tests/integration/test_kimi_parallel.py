@@ -121,6 +121,19 @@ def test_fsdp2_tp2_equals_one_process_on_image_batches(
     _assert_equal_runs(one_process(2), got, "kimi FSDP 2 x TP 2")
 
 
+@pytest.mark.slow
+def test_ep2_equals_one_process_on_image_batches(
+    data: Path, tmp_path: Path, one_process: Callable[[int], Run]
+) -> None:
+    """Expert parallel 2 over FSDP 2 (the DeepSeek-V3 decoder's routed experts split between
+    the ranks, the tower whole on each), one sample per rank a step, against one process with
+    both samples (the MoE bounds of ``test_vlm_parallel.py``)."""
+    argv = ["--training.local_batch_size", "1", "--parallelism.data_parallel_shard_degree", "2"]
+    argv += ["--parallelism.expert_parallel_degree", "2"]
+    got = _run(data, tmp_path, 2, argv)
+    _assert_equal_runs(one_process(2), got, "kimi EP 2", weights_tol=2e-4, norm_tol=3e-3)
+
+
 def _tiny_trained(mode: str, compiled: bool) -> tuple[list[float], torch.nn.Module]:
     """A tiny ``kimi_k25`` through ``distributed/parallelize.py`` (one process) with AC
     ``mode`` and compile, then 4 AdamW steps: three images, text only, three images, one image
