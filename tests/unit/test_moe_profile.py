@@ -27,8 +27,9 @@ def test_one_step_split(float8: bool, capsys: pytest.CaptureFixture[str]) -> Non
     argv = ["--seq_len", "32", "--threads", "1"] + (["--float8_experts"] if float8 else [])
     assert mp.main(argv) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    share = row["share_pct"]
+    share, secs = row["share_pct"], row["seconds"]
     assert abs(sum(share.values()) - 100) < 0.5, share
+    # every bucket timed (its seconds, not its share: a small one rounds to 0.0% on a loaded box)
     for b in ("expert GEMMs", "dense GEMMs", "attention", "top-k", "permutation", "combine"):
-        assert share.get(b, 0) > 0, (b, share)
+        assert secs.get(b, 0) > 0, (b, secs)
     assert ("padding copies" in share) == float8
