@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.tensor import DTensor
 
 from torchtitan.tools.logging import logger
@@ -114,6 +115,7 @@ def apply_compile(
     backend: str = "inductor",
     fullgraph: bool = True,
     wait_on: nn.Module | None = None,
+    inside_checkpoint: bool = False,
 ) -> int:
     """Compile the forward of every block in ``layers`` (a dict or list of blocks) in place;
     returns the count.
@@ -122,12 +124,17 @@ def apply_compile(
     FSDP/DDP (their hooks stay outside the compiled forward). ``fullgraph`` holds for every
     block except those that declare graph breaks (``_may_break_graph``). ``wait_on``: the token
     embedding under tensor parallel, whose async output must be waited on before a compiled
-    block (see ``_wait_embedding_hook``).
+    block (see ``_wait_embedding_hook``). ``inside_checkpoint`` (set under tensor parallel):
+    a checkpoint-wrapped block's inner module is compiled and the checkpoint stays eager around
+    it; compiling the wrapper with DTensor blocks stops AOTAutograd on a ``DeviceMesh`` among
+    the saved values (torch 2.13; docs/parallelisms.md, "Known limits").
     """
     for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         # An instance attribute shadows the class's forward; nn.Module.__call__ runs the
         # module's hooks (FSDP's unshard/reshard) around it, outside the compiled region.
         full = fullgraph and not _may_break_graph(block)
+        if inside_checkpoint and isinstance(block, CheckpointWrapper):
+            block = block._checkpoint_wrapped_module  # the checkpoint stays eager around it
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=full)  # type: ignore[method-assign]
     if wait_on is not None:
         wait_on.register_forward_hook(_wait_embedding_hook)

@@ -83,6 +83,7 @@ def parallelize(
             blocks,
             backend=cfg.compile.backend,
             wait_on=embedding if dims.tp_enabled else None,
+            inside_checkpoint=dims.tp_enabled,
         )
         for container in containers[1:]:
             apply_compile(container, backend=cfg.compile.backend)
