@@ -6,40 +6,19 @@ placeholder tokens; the decoder's RoPE is its plain 1-D one (no multimodal posit
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from torchtitan.distributed.init_weights import ParamInit
 from torchtitan.models.common.kv_cache import KVCache
-from torchtitan.models.common.vision import scatter_visual
-from torchtitan.models.common.vision.images import per_sample_images, place_visual, unpad_images
+from torchtitan.models.common.vision.images import (
+    VisualScatter,
+    embed_with_images,
+    per_sample_images,
+)
 from torchtitan.models.common.vision.moonvit import MoonViT, Projector, moonvit_init
 from torchtitan.models.deepseek_v3.model import Transformer
 from torchtitan.models.kimi_k25.args import KimiK25Args
 
 VISUAL = ("vision_tower.", "mm_projector.")
-
-
-class VisualScatter(nn.Module):
-    """The projected image tokens written over the placeholders' embeddings (``h`` unchanged
-    without images): in order (the collated form) or by ``visual_index`` (the per-sample form
-    pipeline and context parallel split, ``models/common/vision/images.py``). A module, with no
-    parameters, so the parallel plan can place its output: under tensor parallel its whole rows
-    are cut onto the sequence shard the first block expects (``parallel_plan.py``)."""
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        placeholders: torch.Tensor,
-        visual: torch.Tensor | None,
-        visual_index: torch.Tensor | None = None,
-        offsets: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if visual is None:
-            return h
-        if visual_index is None:
-            return scatter_visual(h, placeholders, visual)
-        assert offsets is not None
-        return place_visual(h, placeholders, visual, visual_index, offsets)
 
 
 class KimiK25Model(Transformer):
@@ -99,25 +78,18 @@ class KimiK25Model(Transformer):
         until ``self.scatter``, which tensor parallel cuts onto the sequence shard)."""
         a = self.args
         assert self.tok_embeddings is not None and self.scatter is not None
-        placeholders = tokens == a.image_token_id
-        h = self.tok_embeddings(tokens)
-        if pixel_values is None:
-            if bool(placeholders.any()):
-                raise ValueError(
-                    f"{int(placeholders.sum())} image placeholder tokens (id {a.image_token_id}) "
-                    "but no pixel_values"
-                )
-            return self.scatter(h, placeholders, None)
-        if grid_thw is None:
-            raise ValueError("pixel_values given without grid_thw")
-        if visual_index is None:  # the collated form: images in order
-            if grid_thw.dim() != 2 or pixel_values.dim() != 2:
-                raise ValueError("per-sample pixel_values / grid_thw need visual_index")
-            return self.scatter(h, placeholders, self.image_tokens(pixel_values, grid_thw))
+        images = (pixel_values, grid_thw, visual_index)
         merge = a.vision.spatial_merge_size
-        pixels, grids, offsets = unpad_images(pixel_values, grid_thw, merge, pool_frames=True)
-        visual = self.image_tokens(pixels, grids)
-        return self.scatter(h, placeholders, visual, visual_index, offsets)
+        return embed_with_images(
+            self.tok_embeddings,
+            self.scatter,
+            self.image_tokens,
+            tokens,
+            a.image_token_id,
+            images,
+            merge,
+            True,
+        )
 
     def image_inputs(
         self,

@@ -7,41 +7,19 @@ positions; for text all three are the token's index, so a text-only batch is pla
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from torchtitan.distributed.init_weights import ParamInit
 from torchtitan.models.common.attention import build_attention_mask
 from torchtitan.models.common.kv_cache import KVCache
-from torchtitan.models.common.vision import VisionTower, mrope_freqs, scatter_visual
+from torchtitan.models.common.vision import VisionTower, mrope_freqs
 from torchtitan.models.common.vision import mrope_positions as mrope_positions_of
+from torchtitan.models.common.vision.images import VisualScatter, embed_with_images
 from torchtitan.models.common.vision.tower import vision_init
 from torchtitan.models.qwen3_5.model import Qwen35Transformer
 from torchtitan.models.qwen3_5_vl.args import Qwen35VLArgs
-from torchtitan.models.qwen3_5_vl.images import per_sample_images, place_visual, unpad_images
+from torchtitan.models.qwen3_5_vl.images import per_sample_images
 
 VISUAL = "visual."
-
-
-class VisualScatter(nn.Module):
-    """The merged image tokens written over the placeholders' embeddings (``h`` unchanged
-    without images). A module, with no parameters, so the parallel plan can place its output:
-    under tensor parallel its whole rows are cut onto the sequence shard the first block
-    expects (``parallel_plan.py``)."""
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        placeholders: torch.Tensor,
-        visual: torch.Tensor | None,
-        visual_index: torch.Tensor | None = None,
-        offsets: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if visual is None:
-            return h
-        if visual_index is None:  # the collated form: whole rows, images in order
-            return scatter_visual(h, placeholders, visual)
-        assert offsets is not None
-        return place_visual(h, placeholders, visual, visual_index, offsets)
 
 
 class Qwen35VLModel(Qwen35Transformer):
@@ -110,27 +88,13 @@ class Qwen35VLModel(Qwen35Transformer):
         """Token embeddings with the tower's merged image tokens at the placeholders (whole rows
         until ``self.scatter``, which tensor parallel cuts onto the sequence shard)."""
         a = self.args
-        assert self.tok_embeddings is not None and self.visual is not None
-        assert self.scatter is not None
-        placeholders = tokens == a.image_token_id
-        h = self.tok_embeddings(tokens)
-        if pixel_values is None:
-            if bool(placeholders.any()):
-                raise ValueError(
-                    f"{int(placeholders.sum())} image placeholder tokens (id {a.image_token_id}) "
-                    "but no pixel_values"
-                )
-            return self.scatter(h, placeholders, None)
-        if grid_thw is None:
-            raise ValueError("pixel_values given without grid_thw")
-        if visual_index is None:  # the collated form: whole rows, images in order
-            if grid_thw.dim() != 2 or pixel_values.dim() != 2:
-                raise ValueError("per-sample pixel_values / grid_thw need visual_index")
-            return self.scatter(h, placeholders, self.visual(pixel_values, grid_thw))
+        assert self.tok_embeddings is not None and self.scatter is not None
+        assert self.visual is not None
+        images = (pixel_values, grid_thw, visual_index)
         merge = a.vision.spatial_merge_size
-        pixels, grids, offsets = unpad_images(pixel_values, grid_thw, merge)
-        visual = self.visual(pixels, grids)
-        return self.scatter(h, placeholders, visual, visual_index, offsets)
+        return embed_with_images(
+            self.tok_embeddings, self.scatter, self.visual, tokens, a.image_token_id, images, merge
+        )
 
     def image_inputs(
         self,

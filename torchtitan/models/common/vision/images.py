@@ -22,9 +22,21 @@ tower: ``t * h * w / merge**2``).
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-__all__ = ["merged_tokens", "per_sample_images", "place_visual", "unpad_images"]
+import torch
+from torch import nn
+
+from torchtitan.models.common.vision.positions import scatter_visual
+
+__all__ = [
+    "VisualScatter",
+    "embed_with_images",
+    "merged_tokens",
+    "per_sample_images",
+    "place_visual",
+    "unpad_images",
+]
 
 
 def merged_tokens(grid_thw: torch.Tensor, merge: int, pool_frames: bool = False) -> torch.Tensor:
@@ -122,3 +134,58 @@ def place_visual(
     rows = (offsets[:, None].to(visual_index.device) + visual_index).masked_fill(~placeholders, pad)
     table = torch.cat([visual.to(h.dtype), h.new_zeros(1, h.shape[-1])])
     return torch.where(placeholders[..., None], table[rows], h)
+
+
+class VisualScatter(nn.Module):
+    """The merged image tokens written over the placeholders' embeddings (``h`` unchanged
+    without images): in order (the collated form) or by ``visual_index`` (the per-sample form).
+    A module, with no parameters, so a family's parallel plan can place its output: under
+    tensor parallel its whole rows are cut onto the sequence shard the first block expects."""
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        placeholders: torch.Tensor,
+        visual: torch.Tensor | None,
+        visual_index: torch.Tensor | None = None,
+        offsets: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if visual is None:
+            return h
+        if visual_index is None:  # the collated form: whole rows, images in order
+            return scatter_visual(h, placeholders, visual)
+        assert offsets is not None
+        return place_visual(h, placeholders, visual, visual_index, offsets)
+
+
+def embed_with_images(
+    embed: nn.Module,
+    scatter: nn.Module,
+    encode: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    tokens: torch.Tensor,
+    image_token_id: int,
+    images: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    merge: int,
+    pool_frames: bool = False,
+) -> torch.Tensor:
+    """Token embeddings with ``encode``'s merged image tokens at the placeholders, the shared
+    first step of the vision-language families: ``images`` is (``pixel_values``, ``grid_thw``,
+    ``visual_index``) in the collated form (no ``visual_index``) or the per-sample one."""
+    pixel_values, grid_thw, visual_index = images
+    placeholders = tokens == image_token_id
+    h = embed(tokens)
+    if pixel_values is None:
+        if bool(placeholders.any()):
+            raise ValueError(
+                f"{int(placeholders.sum())} image placeholder tokens (id {image_token_id}) "
+                "but no pixel_values"
+            )
+        return scatter(h, placeholders, None)
+    if grid_thw is None:
+        raise ValueError("pixel_values given without grid_thw")
+    if visual_index is None:  # the collated form: whole rows, images in order
+        if grid_thw.dim() != 2 or pixel_values.dim() != 2:
+            raise ValueError("per-sample pixel_values / grid_thw need visual_index")
+        return scatter(h, placeholders, encode(pixel_values, grid_thw))
+    pixels, grids, offsets = unpad_images(pixel_values, grid_thw, merge, pool_frames=pool_frames)
+    return scatter(h, placeholders, encode(pixels, grids), visual_index, offsets)
