@@ -84,8 +84,8 @@ def test_explain_names_the_tower_and_its_share() -> None:
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        ([*DEBUG, "--training.image_tokens_per_sample", "-1"], "from 0 to training.seq_len"),
-        ([*DEBUG, "--training.image_tokens_per_sample", "257"], "from 0 to training.seq_len"),
+        ([*DEBUG, "--training.image_tokens_per_sample", "-1"], "must be >= 0"),
+        ([*DEBUG, "--training.image_tokens_per_sample", "257"], "at most training.seq_len"),
         ([*DEBUG[4:], "--training.image_tokens_per_sample", "8"], "has none"),
     ],
     ids=["negative", "above-seq-len", "text-model"],

@@ -146,13 +146,14 @@ def validate_vlm(cfg: JobConfig) -> None:
 
 
 def _validate_image_tokens(cfg: JobConfig) -> None:
-    """``training.image_tokens_per_sample``: from 0 to ``seq_len``, and only for a model with a
-    vision tower (it adds the tower's FLOPs to MFU: models/common/vision/flops.py)."""
+    """``training.image_tokens_per_sample``: at most ``seq_len`` (>= 0 is its value rule,
+    ``validate_values.RULES``), and only for a model with a vision tower (it adds the tower's
+    FLOPs to MFU: models/common/vision/flops.py)."""
     n, t = cfg.training.image_tokens_per_sample, cfg.training
     field = "training.image_tokens_per_sample"
-    if not 0 <= n <= t.seq_len:
+    if n > t.seq_len:
         raise ConfigError(
-            field, n, f"must be from 0 to training.seq_len = {t.seq_len} (tokens of a sample)",
+            field, n, f"must be at most training.seq_len = {t.seq_len} (tokens of a sample)",
             "give the data's mean merged image tokens per sample, or 0",
         )  # fmt: skip
     if n and cfg.model.name not in VLM_MODELS:

@@ -95,6 +95,9 @@ RULES: dict[str, Num] = {
         special=AUTO, fix="use -1 (local_batch_size x dp degree) or a multiple of it"
     ),
     "training.seq_len": count(fix="use e.g. 2048"),
+    "training.image_tokens_per_sample": count(
+        low=0, fix="give the data's mean merged image tokens per sample, or 0"
+    ),
     "training.loss_chunk_size": count(low=0, fix="use 0 (whole logits) or e.g. 1024 tokens"),
     "training.max_norm": Num(fix="use e.g. 1.0, or 0 to turn clipping off"),
     "training.steps": count(fix="use e.g. 1000"),
